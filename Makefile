@@ -1,0 +1,31 @@
+# The README's two commands: `make demo` (the main job) and `make test` (everything CI runs).
+SHELL := /bin/bash
+VENV := .venv
+BIN := $(VENV)/bin
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+
+.PHONY: bootstrap lint unit test demo demo-down clean
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+lint: bootstrap
+	$(BIN)/ruff check kimi_service tests scripts
+	$(BIN)/yamllint --strict .
+	$(BIN)/ansible-playbook --syntax-check site.yml
+	$(BIN)/ansible-lint --offline -q
+
+unit: bootstrap
+	$(BIN)/python -m pytest -m "not slow"
+
+test: lint
+	$(BIN)/python -m pytest
+
+demo: bootstrap
+	$(BIN)/python -m tests.integration.demo up
+
+demo-down: bootstrap
+	$(BIN)/python -m tests.integration.demo down
+
+clean: demo-down
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from kimi_service.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Fixtures that boot real systemd test hosts (see tests/hosts/nspawn.py).
+
+- `testhost`: one fresh host per test module on the controller's network, with `testhost_inventory`.
+- `make_hosts(n)`: n fresh hosts, each in a network namespace of its own on a shared bridge; they
+  reach each other and the controller (the bridge's gateway address) by IP.
+A host's journal and console are printed when any test that used it failed; hosts are always
+stopped by PID and unmounted.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.hosts.nspawn import HostError, Network, TestHost, write_inventory
+
+_failed_nodes: set[str] = set()
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        _failed_nodes.add(item.module.__name__ if item.module else item.nodeid)
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("test hosts need root (systemd-nspawn, mounts, network namespaces)")
+
+
+def _boot(host: TestHost) -> TestHost:
+    try:
+        host.start()
+    except HostError:
+        host.stop()
+        raise
+    return host
+
+
+def _teardown(hosts: list[TestHost], module_name: str) -> None:
+    try:
+        if module_name in _failed_nodes:
+            for host in hosts:
+                print(f"\n===== diagnostics of {host.name} (a test in {module_name} failed) =====")
+                print(host.diagnostics())
+    finally:
+        for host in hosts:
+            host.stop()
+
+
+@pytest.fixture(scope="module")
+def testhost(request) -> Iterator[TestHost]:
+    _require_root()
+    host = _boot(TestHost.create(f"kt-{secrets.token_hex(3)}"))
+    yield host
+    _teardown([host], request.module.__name__)
+
+
+@pytest.fixture(scope="module")
+def testhost_inventory(testhost, tmp_path_factory) -> Path:
+    return write_inventory(tmp_path_factory.mktemp("inventory") / "hosts.yml", [testhost])
+
+
+@pytest.fixture(scope="module")
+def make_hosts(request) -> Iterator[Callable[[int], list[TestHost]]]:
+    """A factory: make_hosts(n) boots n hosts in separate network namespaces on one bridge."""
+    _require_root()
+    networks: list[Network] = []
+    hosts: list[TestHost] = []
+
+    def factory(count: int) -> list[TestHost]:
+        network = Network.create()
+        networks.append(network)
+        booted = []
+        for index in range(count):
+            host = TestHost.create(f"kt-{network.name}-{index}", network=network, index=index)
+            hosts.append(host)
+            booted.append(host)
+            host.start()
+        return booted
+
+    yield factory
+    try:
+        _teardown(hosts, request.module.__name__)
+    finally:
+        for network in networks:
+            network.destroy()

@@ -1,0 +1,62 @@
+"""The test-host machinery itself: boot, reboot, namespaces, failure evidence and cleanup."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.hosts.nspawn import HostError, TestHost
+
+
+def _processes_rooted_in(path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                root = os.readlink(f"/proc/{entry}/root")
+            except OSError:
+                continue
+            if root.startswith(str(path)):
+                found.append(int(entry))
+    return found
+
+
+def test_host_runs_systemd_and_survives_a_reboot(testhost):
+    assert testhost.ssh("systemctl is-system-running").stdout.strip() in {"running", "degraded"}
+    assert testhost.ssh("systemd-detect-virt").stdout.strip() == "systemd-nspawn"
+    testhost.ssh("touch /var/tmp/survives-reboot")
+    boots = testhost.boots
+    testhost.reboot()
+    assert testhost.boots == boots + 1
+    assert testhost.ssh("test -f /var/tmp/survives-reboot && cat /proc/1/comm").stdout.strip() == "systemd"
+
+
+def test_hosts_in_namespaces_reach_each_other(make_hosts):
+    first, second = make_hosts(2)
+    assert first.address != second.address
+    out = first.ssh(f"python3 -c \"import socket; socket.create_connection(('{second.address}', 22), 3)\" && echo ok")
+    assert out.stdout.strip() == "ok"
+    assert first.ssh("hostname").stdout.strip() == first.name
+
+
+def test_a_guest_that_fails_to_boot_reports_its_journal_and_leaves_nothing(capsys):
+    host = TestHost.create("kt-broken-boot")
+    merged, workdir = host.merged.resolve(), host.workdir
+    # No init to run: the guest cannot boot.
+    (host.merged / "sbin/init").unlink()
+    (host.merged / "lib/systemd/systemd").unlink()
+    with pytest.raises(HostError) as failure:
+        try:
+            host.start(timeout=30)
+        finally:
+            host.stop()
+    message = str(failure.value)
+    assert "exited while booting" in message or "did not reach running" in message
+    assert "--- console of kt-broken-boot" in message
+    assert "--- journal of kt-broken-boot" in message
+    assert _processes_rooted_in(merged) == []
+    mounts = subprocess.run(["cat", "/proc/self/mounts"], capture_output=True, text=True).stdout
+    assert str(merged) not in mounts
+    assert not workdir.exists()
