@@ -3,6 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: bootstrap lint unit test demo demo-down clean
 
@@ -22,10 +23,10 @@ test: lint
 	$(BIN)/python -m pytest
 
 demo: bootstrap
-	$(BIN)/python -m tests.integration.demo up
+	$(BIN)/python scripts/demo.py up
 
 demo-down: bootstrap
-	$(BIN)/python -m tests.integration.demo down
+	$(BIN)/python scripts/demo.py down
 
 clean: demo-down
 	rm -rf $(VENV) .pytest_cache .ruff_cache

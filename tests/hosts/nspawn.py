@@ -378,7 +378,8 @@ class TestHost:
             if pid is None or pid == previous_pid or not _pid_alive(pid):
                 time.sleep(0.2)
                 continue
-            result = self.ssh("systemctl is-system-running --wait", check=False, timeout=max(5.0, deadline - time.monotonic()))
+            remaining = max(5.0, deadline - time.monotonic())
+            result = self.ssh("systemctl is-system-running --wait", check=False, timeout=remaining)
             state = result.stdout.strip()
             if state == "running":
                 return state
@@ -489,7 +490,9 @@ class TestHost:
         )
 
 
-def write_inventory(path: Path, hosts: list[TestHost], group: str = "kimi_hosts", extra_vars: dict | None = None) -> Path:
+def write_inventory(
+    path: Path, hosts: list[TestHost], group: str = "kimi_hosts", extra_vars: dict | None = None
+) -> Path:
     """An Ansible inventory (YAML is a JSON superset) listing the hosts in `group`."""
     inventory = {
         "all": {

@@ -18,7 +18,8 @@ def test_site_converges_on_a_fresh_host(first_run, testhost):
     assert first_run.changed > 0, "a fresh host must need changes; did the stages run?\n" + str(first_run)
     user = testhost.ssh("getent passwd kimi").stdout.strip().split(":")
     assert user[6] == "/usr/sbin/nologin"
-    modes = testhost.ssh("stat -c '%n %a %U:%G' /etc/kimi-service /var/lib/kimi-service /opt/kimi-service").stdout
+    dirs = "/etc/kimi-service /var/lib/kimi-service /opt/kimi-service"
+    modes = testhost.ssh(f"stat -c '%n %a %U:%G' {dirs}").stdout
     assert "/etc/kimi-service 750 root:kimi" in modes
     assert "/var/lib/kimi-service 750 kimi:kimi" in modes
 

@@ -36,7 +36,8 @@ def test_host_runs_systemd_and_survives_a_reboot(testhost):
 def test_hosts_in_namespaces_reach_each_other(make_hosts):
     first, second = make_hosts(2)
     assert first.address != second.address
-    out = first.ssh(f"python3 -c \"import socket; socket.create_connection(('{second.address}', 22), 3)\" && echo ok")
+    probe = f"import socket; socket.create_connection(('{second.address}', 22), 3)"
+    out = first.ssh(f'python3 -c "{probe}" && echo ok')
     assert out.stdout.strip() == "ok"
     assert first.ssh("hostname").stdout.strip() == first.name
 
