@@ -463,6 +463,8 @@ class TestHost:
 
     def inventory_vars(self) -> dict:
         return {
+            # A guest on the controller's network shares its packet filter: never firewall it.
+            **({"kimi_firewall_enabled": False} if self.netns is None else {}),
             "ansible_host": self.address,
             "ansible_port": self.ssh_port,
             "ansible_user": "root",

@@ -1,0 +1,496 @@
+"""`kimi-service bench`: a concurrency sweep against an OpenAI-compatible streaming endpoint.
+
+For each concurrency level a closed loop of that many clients sends the same prompt set; per request
+it records time to first token (TTFT), the gaps between streamed tokens (ITL), time per output token
+(TPOT) and end-to-end latency. Per level it reports percentiles, output tokens/s, requests/s, errors
+and goodput (requests/s that met every SLO). Prompts are made to exact token lengths with the
+model's tokenizer, optionally behind one shared system prompt (the prefix-caching case).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kimi_service.errors import KimiError, UsageError
+
+APIS = ("chat", "completions")
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives in seconds; None means no objective on that measure."""
+
+    ttft: float | None = None
+    itl: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> Slo:
+        """`ttft=2,itl=0.1` (seconds; a `ms` suffix is accepted)."""
+        if not text:
+            return cls()
+        values: dict[str, float] = {}
+        for part in text.split(","):
+            key, sep, raw = part.partition("=")
+            key = key.strip()
+            if not sep or key not in ("ttft", "itl"):
+                raise UsageError(f"--slo: expected ttft=SECONDS,itl=SECONDS, got {part!r}")
+            raw = raw.strip()
+            try:
+                values[key] = float(raw[:-2]) / 1000 if raw.endswith("ms") else float(raw.rstrip("s"))
+            except ValueError:
+                raise UsageError(f"--slo: {key} must be a number of seconds (or 250ms), got {raw!r}") from None
+            if values[key] <= 0:
+                raise UsageError(f"--slo: {key} must be positive")
+        return cls(**values)
+
+    def met_by(self, result: RequestResult) -> bool:
+        if not result.ok:
+            return False
+        if self.ttft is not None and result.ttft > self.ttft:
+            return False
+        return not (self.itl is not None and result.itls and max(result.itls) > self.itl)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str | None = None
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class Distribution:
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        if not values:
+            return cls(math.nan, math.nan, math.nan, math.nan)
+        return cls(sum(values) / len(values), *(percentile(values, q) for q in PERCENTILES))
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    errors: int
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    goodput_requests_per_s: float
+    ttft_s: Distribution
+    itl_s: Distribution
+    tpot_s: Distribution
+    e2e_s: Distribution
+    error_samples: list[str]
+
+
+@dataclass
+class BenchReport:
+    url: str
+    model: str
+    api: str
+    input_len: int
+    output_len: int
+    shared_prefix_len: int
+    slo: Slo
+    levels: list[LevelResult]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(concurrency: int, results: Sequence[RequestResult], duration_s: float, slo: Slo) -> LevelResult:
+    good = [r for r in results if r.ok]
+    duration_s = max(duration_s, 1e-9)
+    output_tokens = sum(r.output_tokens for r in good)
+    return LevelResult(
+        concurrency=concurrency,
+        requests=len(results),
+        errors=len(results) - len(good),
+        duration_s=duration_s,
+        prompt_tokens=sum(r.prompt_tokens for r in good),
+        output_tokens=output_tokens,
+        output_tokens_per_s=output_tokens / duration_s,
+        requests_per_s=len(good) / duration_s,
+        goodput_requests_per_s=sum(1 for r in results if slo.met_by(r)) / duration_s,
+        ttft_s=Distribution.of([r.ttft for r in good]),
+        itl_s=Distribution.of([gap for r in good for gap in r.itls]),
+        tpot_s=Distribution.of([t for r in good if (t := r.tpot) is not None]),
+        e2e_s=Distribution.of([r.e2e for r in good]),
+        error_samples=sorted({r.error for r in results if r.error})[:5],
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts
+
+
+class Tokenizer:
+    """The model's own tokenizer (Hugging Face format), loaded from a local directory."""
+
+    def __init__(self, source: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise KimiError(
+                "bench needs the `transformers` package to make prompts of exact token lengths; run it "
+                "from the runtime venv (/opt/kimi-service/venv/bin/kimi-service) or pip install transformers"
+            ) from None
+        try:
+            self._tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=True)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot load a tokenizer from {source!r}: {exc}. Pass --tokenizer DIR") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(self._tok.all_special_ids)
+
+
+def text_of_length(tokenizer: Tokenizer, length: int, rng: random.Random) -> str:
+    """Random text that the tokenizer encodes to exactly `length` tokens (or as close as it gets)."""
+    if length <= 0:
+        return ""
+    special = tokenizer.special_ids
+    ids = [i for i in (rng.randrange(tokenizer.vocab_size) for _ in range(length * 2)) if i not in special]
+    text = tokenizer.decode(ids[:length])
+    best = text
+    for _ in range(20):
+        encoded = tokenizer.encode(text)
+        if len(encoded) == length:
+            return text
+        if abs(len(encoded) - length) < abs(len(tokenizer.encode(best)) - length):
+            best = text
+        if len(encoded) > length:
+            text = tokenizer.decode(encoded[:length])
+        else:
+            extra = [rng.randrange(tokenizer.vocab_size) for _ in range(length - len(encoded))]
+            text = tokenizer.decode(encoded + [i for i in extra if i not in special])
+    return best
+
+
+def make_prompts(
+    tokenizer: Tokenizer, count: int, input_len: int, shared_prefix_len: int = 0, seed: int = 0
+) -> tuple[str, list[str]]:
+    """(shared system prompt, per-request prompts), each of the asked token length."""
+    rng = random.Random(seed)
+    prefix = text_of_length(tokenizer, shared_prefix_len, rng)
+    return prefix, [text_of_length(tokenizer, input_len, rng) for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
+
+
+def _request_body(api: str, model: str, system: str, prompt: str, output_len: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # vLLM extensions: generate exactly output_len tokens, so every run does the same work.
+        "ignore_eos": True,
+        "min_tokens": output_len,
+    }
+    if api == "chat":
+        messages = [{"role": "system", "content": system}] if system else []
+        body["messages"] = [*messages, {"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = f"{system}\n\n{prompt}" if system else prompt
+    return body
+
+
+def _chunk_has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
+            return True
+    return False
+
+
+async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
+    start = time.perf_counter()
+    first: float | None = None
+    last = start
+    itls: list[float] = []
+    chunks = 0
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                return RequestResult(ok=False, error=f"HTTP {response.status_code}: {detail}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if not _chunk_has_text(chunk):
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    itls.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
+    end = time.perf_counter()
+    if first is None:
+        return RequestResult(ok=False, error="the stream ended without any token")
+    return RequestResult(
+        ok=True,
+        ttft=first - start,
+        e2e=end - start,
+        itls=itls,
+        output_tokens=int(usage.get("completion_tokens") or chunks),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+    )
+
+
+async def run_level(
+    client: httpx.AsyncClient,
+    path: str,
+    bodies: Sequence[dict[str, Any]],
+    concurrency: int,
+    on_done: Callable[[], None] = lambda: None,
+) -> tuple[list[RequestResult], float]:
+    """Send every body with at most `concurrency` in flight; returns results and wall time."""
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while True:
+            try:
+                body = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results.append(await send_request(client, path, body))
+            on_done()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+class Progress:
+    """A one-line progress bar on stderr (silent when stderr is not a terminal)."""
+
+    def __init__(self, total: int, label: str, stream=sys.stderr):
+        self.total, self.done, self.label, self.stream = total, 0, label, stream
+        self.enabled = stream.isatty()
+        self.started = time.perf_counter()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = int(width * self.done / max(self.total, 1))
+            elapsed = time.perf_counter() - self.started
+            self.stream.write(
+                f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.1f}s"
+            )
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+# ------------------------------------------------------------------------------------------------
+# The sweep
+
+
+@dataclass
+class BenchSettings:
+    url: str
+    model: str
+    concurrency: list[int]
+    input_len: int
+    output_len: int
+    prompts: int
+    api_key: str | None = None
+    shared_prefix_len: int = 0
+    api: str = "chat"
+    slo: Slo = field(default_factory=Slo)
+    tokenizer: str | None = None
+    timeout_s: float = 600.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise UsageError("--concurrency: a comma-separated list of positive integers, e.g. 1,4,16,64")
+        for name in ("input_len", "output_len", "prompts"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.shared_prefix_len < 0:
+            raise UsageError("--shared-prefix-len must not be negative")
+        if self.api not in APIS:
+            raise UsageError(f"--api must be one of {', '.join(APIS)}")
+
+
+def _tokenizer_source(settings: BenchSettings, client: httpx.Client) -> str:
+    if settings.tokenizer:
+        return settings.tokenizer
+    if Path(settings.model).is_dir():
+        return settings.model
+    # vLLM reports the directory it loaded the model from as the model's root.
+    try:
+        models = client.get("/v1/models").json().get("data", [])
+    except (httpx.HTTPError, ValueError) as exc:
+        raise KimiError(f"cannot reach {settings.url}/v1/models: {exc}") from None
+    for entry in models:
+        if entry.get("id") == settings.model and entry.get("root") and Path(entry["root"]).is_dir():
+            return entry["root"]
+    raise UsageError(
+        f"no local tokenizer for {settings.model!r}: pass --tokenizer DIR (the model's directory)"
+    )
+
+
+def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
+    settings.validate()
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    base = settings.url.rstrip("/")
+    with httpx.Client(base_url=base, headers=headers, timeout=30) as probe:
+        tokenizer = Tokenizer(_tokenizer_source(settings, probe))
+    count = max(settings.prompts, max(settings.concurrency))
+    system, prompts = make_prompts(tokenizer, count, settings.input_len, settings.shared_prefix_len, settings.seed)
+    bodies = [_request_body(settings.api, settings.model, system, p, settings.output_len) for p in prompts]
+    path = "/v1/chat/completions" if settings.api == "chat" else "/v1/completions"
+
+    async def sweep() -> list[LevelResult]:
+        limits = httpx.Limits(max_connections=max(settings.concurrency) + 4, max_keepalive_connections=None)
+        async with httpx.AsyncClient(
+            base_url=base, headers=headers, timeout=settings.timeout_s, limits=limits
+        ) as client:
+            warmup = await send_request(client, path, bodies[0])
+            if not warmup.ok:
+                raise KimiError(f"the warm-up request to {base}{path} failed: {warmup.error}")
+            levels = []
+            for concurrency in settings.concurrency:
+                batch = bodies[: max(settings.prompts, concurrency)]
+                bar = Progress(len(batch), f"concurrency {concurrency:>3}")
+                results, duration = await run_level(
+                    client, path, batch, concurrency, bar.advance if progress else (lambda: None)
+                )
+                levels.append(summarize(concurrency, results, duration, settings.slo))
+            return levels
+
+    levels = asyncio.run(sweep())
+    return BenchReport(
+        url=base, model=settings.model, api=settings.api, input_len=settings.input_len,
+        output_len=settings.output_len, shared_prefix_len=settings.shared_prefix_len,
+        slo=settings.slo, levels=levels,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+
+
+def format_table(report: BenchReport) -> str:
+    ms = 1000.0
+    header = (
+        f"{'conc':>4} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} {'goodput':>8} "
+        f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'TPOT p50':>9} "
+        f"{'E2E p50':>8} {'p99':>8}"
+    )
+    lines = [
+        f"{report.model} at {report.url} ({report.api}); input {report.input_len} tokens"
+        + (f" after a shared {report.shared_prefix_len}-token system prompt" if report.shared_prefix_len else "")
+        + f", output {report.output_len} tokens; latencies in ms",
+        header,
+        "-" * len(header),
+    ]
+    for lv in report.levels:
+        lines.append(
+            f"{lv.concurrency:>4} {lv.requests:>5} {lv.errors:>4} {lv.output_tokens_per_s:>10.1f} "
+            f"{lv.requests_per_s:>7.2f} {lv.goodput_requests_per_s:>8.2f} "
+            f"{lv.ttft_s.p50 * ms:>9.1f} {lv.ttft_s.p90 * ms:>8.1f} {lv.ttft_s.p99 * ms:>8.1f} "
+            f"{lv.itl_s.p50 * ms:>8.1f} {lv.itl_s.p99 * ms:>8.1f} {lv.tpot_s.p50 * ms:>9.1f} "
+            f"{lv.e2e_s.p50 * ms:>8.1f} {lv.e2e_s.p99 * ms:>8.1f}"
+        )
+    slo = report.slo
+    if slo.ttft is not None or slo.itl is not None:
+        lines.append(f"goodput: requests/s with TTFT <= {slo.ttft} s and every ITL <= {slo.itl} s")
+    for lv in report.levels:
+        for sample in lv.error_samples:
+            lines.append(f"error at concurrency {lv.concurrency}: {sample}")
+    return "\n".join(lines)
+
+
+def write_plot(report: BenchReport, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KimiError("--plot needs matplotlib (pip install matplotlib)") from None
+    conc = [lv.concurrency for lv in report.levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(conc, [lv.output_tokens_per_s for lv in report.levels], marker="o")
+    left.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
+    right.plot(conc, [lv.ttft_s.p99 for lv in report.levels], marker="o", color="tab:red")
+    right.set(xscale="log", xlabel="concurrency", ylabel="seconds", title="TTFT p99")
+    for axis in (left, right):
+        axis.set_xticks(conc, [str(c) for c in conc])
+        axis.grid(True, alpha=0.3)
+    fig.suptitle(f"{report.model}: input {report.input_len}, output {report.output_len} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
