@@ -1,0 +1,299 @@
+"""What a model needs: geometry, weight bytes and KV-cache bytes per token, from its `config.json`.
+
+A model is a directory (config.json, and the safetensors index or files for the weight size) or a
+catalog name, which plans without downloading anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kimi_service import catalog
+from kimi_service.errors import UsageError
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The facts about a model the planner needs; nothing else."""
+
+    name: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention: str  # "mla" (DeepSeek-V3 latent attention) or "gqa" (incl. MHA/MQA)
+    kv_lora_rank: int | None
+    qk_rope_head_dim: int | None
+    native_max_len: int
+    weight_bytes: int
+    weight_bytes_source: (
+        str  # "safetensors index", "safetensors files", "catalog", "estimated from config.json"
+    )
+    dtype: str
+    quantization: str | None  # e.g. "compressed-tensors int4", "awq int4", "gptq int4", "fp8"
+    is_moe: bool
+    num_experts: int | None
+    experts_per_token: int | None
+    moe_intermediate_size: int | None
+    multimodal: bool
+    trust_remote_code: bool
+    source: str  # where these facts came from, for people
+    catalog_name: str | None = None
+
+    @property
+    def weights_estimated(self) -> bool:
+        return self.weight_bytes_source.startswith("estimated")
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        # vLLM's default KV dtype follows the activation dtype: 2 bytes unless the model runs in float32.
+        return 4 if self.dtype in ("float32", "float") else 2
+
+    def kv_bytes_per_token(
+        self, tensor_parallel: int = 1, pipeline_parallel: int = 1, kv_dtype_bytes: int = 0
+    ) -> int:
+        """KV-cache bytes one token occupies on one GPU of a TP x PP group.
+
+        MLA caches one latent vector (kv_lora_rank + qk_rope_head_dim) per layer; vLLM treats it as a
+        single KV head, which every TP rank keeps whole (ModelConfig.get_num_kv_heads returns 1 for MLA),
+        so TP does not divide it. GQA heads are split across TP ranks, at least one per rank (replicated
+        when there are fewer KV heads than ranks). PP divides the layers; the busiest stage gets the ceiling.
+        """
+        per_value = kv_dtype_bytes or self.kv_dtype_bytes
+        layers = math.ceil(self.num_layers / pipeline_parallel)
+        if self.attention == "mla":
+            assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per_value
+        heads_per_rank = max(1, self.num_kv_heads // tensor_parallel)
+        return 2 * layers * heads_per_rank * self.head_dim * per_value
+
+    @property
+    def embedding_bytes(self) -> int:
+        """One vocab x hidden matrix at the checkpoint dtype (the embedding or the LM head)."""
+        return self.vocab_size * self.hidden_size * _DTYPE_BYTES.get(self.dtype, 2)
+
+
+def _language_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    # Multimodal wrappers (Kimi K2.5, Qwen2.5-VL, Llama 4 ...) nest the language model under text_config.
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def _quantization(config: Mapping[str, Any], text: Mapping[str, Any]) -> str | None:
+    quant = config.get("quantization_config") or text.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return None
+    method = str(quant.get("quant_method") or "compressed-tensors").lower()
+    if method == "compressed-tensors":
+        bits = {
+            group.get("weights", {}).get("num_bits")
+            for group in (quant.get("config_groups") or {}).values()
+            if isinstance(group, Mapping)
+        }
+        weight_type = {
+            group.get("weights", {}).get("type")
+            for group in (quant.get("config_groups") or {}).values()
+            if isinstance(group, Mapping)
+        }
+        if 4 in bits:
+            return "compressed-tensors int4"
+        if 8 in bits and "float" in weight_type:
+            return "compressed-tensors fp8"
+        if 8 in bits:
+            return "compressed-tensors int8"
+        return "compressed-tensors"
+    if method in ("awq", "gptq"):
+        return f"{method} int{quant.get('bits', 4)}"
+    return method
+
+
+def _bytes_per_parameter(quantization: str | None, dtype: str) -> float:
+    # Packed 4-bit weights carry group scales (about 1/16 extra at group size 32-128).
+    if quantization and "int4" in quantization:
+        return 0.5 * 17 / 16
+    if quantization and ("fp8" in quantization or "int8" in quantization):
+        return 1.0
+    return float(_DTYPE_BYTES.get(dtype, 2))
+
+
+def _int(text: Mapping[str, Any], key: str, what: str) -> int:
+    value = text.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(
+            f"config.json has no usable {key!r} ({what}): got {value!r}; is this a causal language model?"
+        )
+    return value
+
+
+def estimate_parameters(text: Mapping[str, Any]) -> int:
+    """Parameter count from the config's shapes (norms and biases left out: under 0.1%)."""
+    hidden = int(text["hidden_size"])
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    vocab = int(text["vocab_size"])
+    embeddings = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
+    if text.get("kv_lora_rank"):
+        nope, rope, value = text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"]
+        q_lora = text.get("q_lora_rank")
+        query = hidden * q_lora + q_lora * heads * (nope + rope) if q_lora else hidden * heads * (nope + rope)
+        kv = hidden * (text["kv_lora_rank"] + rope) + text["kv_lora_rank"] * heads * (nope + value)
+        attention = query + kv + heads * value * hidden
+    else:
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    dense_mlp = 3 * hidden * int(text.get("intermediate_size") or 4 * hidden)
+    experts = _num_experts(text)
+    if not experts:
+        return embeddings + layers * (attention + dense_mlp)
+    moe_inter = int(text.get("moe_intermediate_size") or text.get("intermediate_size"))
+    shared = int(text.get("n_shared_experts") or 0)
+    shared_inter = int(text.get("shared_expert_intermediate_size") or shared * moe_inter)
+    moe_mlp = (experts * moe_inter + shared_inter) * 3 * hidden + hidden * experts
+    dense_layers = int(text.get("first_k_dense_replace") or 0)
+    return embeddings + layers * attention + dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
+
+
+def _num_experts(text: Mapping[str, Any]) -> int | None:
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        value = text.get(key)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def spec_from_config(
+    config: Mapping[str, Any],
+    *,
+    name: str,
+    weight_bytes: int | None,
+    weight_bytes_source: str,
+    source: str,
+    catalog_name: str | None = None,
+) -> ModelSpec:
+    """ModelSpec from a parsed config.json; weight_bytes None means estimate it from the shapes."""
+    text = _language_config(config)
+    architectures = config.get("architectures") or text.get("architectures") or ["unknown"]
+    layers = _int(text, "num_hidden_layers", "number of layers")
+    hidden = _int(text, "hidden_size", "hidden size")
+    heads = _int(text, "num_attention_heads", "attention heads")
+    vocab = _int(text, "vocab_size", "vocabulary size")
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    mla = bool(text.get("kv_lora_rank"))
+    dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    quantization = _quantization(config, text)
+    experts = _num_experts(text)
+    native = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 2048)
+    if weight_bytes is None:
+        weight_bytes = int(estimate_parameters(text) * _bytes_per_parameter(quantization, dtype))
+        weight_bytes_source = "estimated from config.json"
+    return ModelSpec(
+        name=name,
+        architecture=str(architectures[0]),
+        model_type=str(config.get("model_type") or text.get("model_type") or "unknown"),
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        attention="mla" if mla else "gqa",
+        kv_lora_rank=int(text["kv_lora_rank"]) if mla else None,
+        qk_rope_head_dim=int(text["qk_rope_head_dim"]) if mla else None,
+        native_max_len=native,
+        weight_bytes=weight_bytes,
+        weight_bytes_source=weight_bytes_source,
+        dtype=dtype,
+        quantization=quantization,
+        is_moe=experts is not None,
+        num_experts=experts,
+        experts_per_token=int(text["num_experts_per_tok"])
+        if experts and text.get("num_experts_per_tok")
+        else None,
+        moe_intermediate_size=int(text["moe_intermediate_size"])
+        if text.get("moe_intermediate_size")
+        else None,
+        multimodal=text is not config or "vision_config" in config,
+        trust_remote_code="auto_map" in config,
+        source=source,
+        catalog_name=catalog_name,
+    )
+
+
+def _weight_bytes(directory: Path) -> tuple[int | None, str]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        except (OSError, ValueError) as exc:
+            raise UsageError(
+                f"cannot read {index}: {exc}; re-download the model or remove the broken index"
+            ) from exc
+        if isinstance(total, int) and total > 0:
+            return total, "safetensors index"
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return sum(f.stat().st_size for f in files), "safetensors files"
+    return None, "estimated from config.json"
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{directory} has no config.json: point --model at a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}; it must be the model's JSON config") from exc
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not a JSON object; it must be the model's config")
+    return config
+
+
+def inspect_model(path_or_repo_id: str) -> ModelSpec:
+    """ModelSpec for a model directory or a catalog name (a Hugging Face repo id). Raises UsageError."""
+    directory = Path(path_or_repo_id).expanduser()
+    if directory.is_dir():
+        config = _read_config(directory)
+        weight_bytes, weight_source = _weight_bytes(directory)
+        spec = spec_from_config(
+            config,
+            name=str(directory),
+            weight_bytes=weight_bytes,
+            weight_bytes_source=weight_source,
+            source=f"{directory / 'config.json'}",
+        )
+        entry = catalog.match(spec)
+        return spec if entry is None else replace(spec, catalog_name=entry.repo_id)
+    entry = catalog.get(path_or_repo_id)
+    if entry is None:
+        raise UsageError(
+            f"--model {path_or_repo_id!r} is neither a directory nor a catalog model; "
+            f"use a downloaded model directory or one of: {', '.join(catalog.names())}"
+        )
+    return spec_from_catalog(entry)
+
+
+def spec_from_catalog(entry: catalog.CatalogEntry) -> ModelSpec:
+    return spec_from_config(
+        entry.config,
+        name=entry.repo_id,
+        weight_bytes=entry.weight_bytes,
+        weight_bytes_source="catalog",
+        source=f"catalog ({entry.source})",
+        catalog_name=entry.repo_id,
+    )

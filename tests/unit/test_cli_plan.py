@@ -1,0 +1,97 @@
+"""`kimi-service plan`: exit 0 fits, 3 does not fit, 2 bad input; JSON contract; no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_service.cli import main
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+CONTRACT = {
+    "fits",
+    "argv",
+    "env",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "weights_bytes_per_gpu",
+    "kv_cache_tokens",
+    "warnings",
+    "reasons",
+}
+
+
+def test_fits_json_contract(capsys):
+    code = main(["plan", "--model", str(FIXTURES / "moonshotai--Kimi-K2.5"), "--gpus", "8xH200", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) >= CONTRACT
+    assert data["fits"] is True and data["argv"][:2] == ["vllm", "serve"]
+    assert data["tensor_parallel_size"] == 8 and isinstance(data["warnings"], list)
+    assert "--tensor-parallel-size" in data["reasons"]
+
+
+def test_human_table(capsys):
+    assert (
+        main(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--gpus", "L4:1", "--workload", "throughput"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    for heading in ("command:", "memory per GPU:", "KV cache tokens", "why:"):
+        assert heading in out
+
+
+def test_does_not_fit_exits_3_with_needed_available_and_alternatives(capsys):
+    code = main(["plan", "--model", "moonshotai/Kimi-K2.5", "--gpus", "A100-SXM4-80GB:4"])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "needs about" in err and "320.0 GiB" in err and "Would fit:" in err and "8 x H200" in err
+    assert "Traceback" not in err
+
+
+def test_does_not_fit_json(capsys):
+    assert main(["plan", "--model", "moonshotai/Kimi-K2.5", "--gpus", "A100-SXM4-80GB:4", "--json"]) == 3
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False and data["needed_bytes"] > data["available_bytes"] == 4 * 80 * 2**30
+    assert data["suggestions"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "moonshotai/Kimi-K2.5", "--gpus", "A100:lots"],
+        ["--model", "nobody/nothing", "--gpus", "8xH200"],
+        ["--model", "moonshotai/Kimi-K2.5", "--gpus", "8xH200", "--workload", "fast"],
+        ["--model", "moonshotai/Kimi-K2.5", "--gpus", "8xH200", "--nodes", "0"],
+        ["--model", "moonshotai/Kimi-K2.5", "--gpus", "8xH200", "--max-model-len", "-5"],
+    ],
+)
+def test_bad_input_exits_2_without_traceback(capsys, args):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kimi-service: error:") and "Traceback" not in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--gpus", "8xH200"])
+    assert info.value.code == 2
+
+
+def test_installed_console_script():
+    script = Path(sys.executable).with_name("kimi-service")
+    result = subprocess.run(
+        [str(script), "plan", "--model", "moonshotai/Kimi-K2.5", "--gpus", "A100-SXM4-80GB:4"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Would fit" in result.stderr and "Traceback" not in result.stderr

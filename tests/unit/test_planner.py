@@ -1,0 +1,258 @@
+"""plan(): memory budget, parallelism, context length, workloads, overrides, DoesNotFit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimi_service import catalog
+from kimi_service.errors import UsageError
+from kimi_service.hardware import GIB, KNOWN_GPUS, GpuInventory, inventory_of, parse_gpu_spec
+from kimi_service.model import inspect_model, spec_from_catalog, spec_from_config
+from kimi_service.planner import DoesNotFit, plan, valid_tensor_parallel
+
+KIMI = inspect_model("moonshotai/Kimi-K2.5")
+LLAMA_8B = inspect_model("meta-llama/Llama-3.1-8B-Instruct")
+LLAMA_70B = inspect_model("meta-llama/Llama-3.1-70B-Instruct")
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_the_articles_setup_does_not_fit_and_says_what_would():
+    with pytest.raises(DoesNotFit) as info:
+        plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:4"))
+    error = info.value
+    assert error.exit_code == 3
+    assert error.available_bytes == 4 * 80 * GIB
+    assert error.needed_bytes > KIMI.weight_bytes > error.available_bytes
+    text = str(error)
+    assert "320.0 GiB" in text and "595 GB" in text
+    assert "2 nodes x 8 x A100-SXM4-80GB (TP 8 x PP 2)" in error.suggestions
+    assert "8 x H200 (TP 8)" in error.suggestions
+
+
+def test_kimi_on_8_h200_follows_the_recipe():
+    result = plan(KIMI, parse_gpu_spec("8xH200"), model_path="/var/lib/kimi-service/models/k25")
+    argv = result.argv
+    assert argv[:3] == ["vllm", "serve", "/var/lib/kimi-service/models/k25"]
+    assert flag(argv, "--tensor-parallel-size") == "8"
+    assert flag(argv, "--tool-call-parser") == "kimi_k2" and flag(argv, "--reasoning-parser") == "kimi_k2"
+    assert "--trust-remote-code" in argv and "--enable-auto-tool-choice" in argv
+    assert flag(argv, "--served-model-name") == "moonshotai/Kimi-K2.5"
+    assert result.max_model_len <= KIMI.native_max_len
+    assert result.max_concurrency >= 8
+    assert result.kv_cache_tokens == result.budget.kv_cache_bytes // (70272 * 16) * 16
+    assert all(f in result.reasons for f in argv if f.startswith("--"))
+
+
+def test_kv_capacity_matches_what_vllm_reported_on_the_h200():
+    # The tiny Llama of the H200 run: 2,048 bytes of KV per token, --gpu-memory-utilization 0.5;
+    # vLLM reported 69.36 GiB available and 36,363,872 tokens.
+    tiny = spec_from_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 2048,
+            "max_position_embeddings": 2048,
+            "torch_dtype": "bfloat16",
+        },
+        name="tiny",
+        weight_bytes=None,
+        weight_bytes_source="",
+        source="test",
+    )
+    assert tiny.kv_bytes_per_token() == 2048
+    result = plan(tiny, parse_gpu_spec("H200:1"), overrides=["--gpu-memory-utilization", "0.5"])
+    assert result.kv_cache_tokens == pytest.approx(36_363_872, rel=0.01)
+    # Never more optimistic than vLLM: the plan must not promise tokens that are not there.
+    assert result.kv_cache_tokens <= 36_363_872
+    assert flag(result.argv, "--gpu-memory-utilization") == "0.5"
+
+
+def test_tp_never_splits_heads_unevenly():
+    # Llama 8B has 32 heads, 8 KV heads: on 6 GPUs TP is 1, 2 or 4, never 3 or 6.
+    assert [t for t in range(1, 9) if valid_tensor_parallel(LLAMA_8B, t)] == [1, 2, 4, 8]
+    forced = plan(LLAMA_70B, parse_gpu_spec("L40S:6"))
+    assert forced.tensor_parallel_size in (1, 2, 4)
+
+
+def test_smallest_tp_with_a_useful_batch():
+    assert plan(LLAMA_70B, parse_gpu_spec("A100-SXM4-80GB:4")).tensor_parallel_size == 4
+    assert plan(LLAMA_8B, parse_gpu_spec("A100-SXM4-80GB:8")).tensor_parallel_size == 1
+
+
+def test_pipeline_parallel_spans_nodes():
+    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2)
+    assert (result.tensor_parallel_size, result.pipeline_parallel_size) == (8, 2)
+    assert flag(result.argv, "--pipeline-parallel-size") == "2"
+
+
+def test_fp8_kv_cache_only_where_the_gpu_has_fp8():
+    hopper = plan(LLAMA_8B, parse_gpu_spec("H100-SXM:1"), workload="long-context")
+    ampere = plan(LLAMA_8B, parse_gpu_spec("A100-SXM4-80GB:1"), workload="long-context")
+    assert flag(hopper.argv, "--kv-cache-dtype") == "fp8"
+    assert "--kv-cache-dtype" not in ampere.argv
+    assert hopper.max_model_len == LLAMA_8B.native_max_len
+
+
+def test_fp8_weights_on_a100_warn_about_weight_only_kernels():
+    minimax = inspect_model("MiniMaxAI/MiniMax-M2")
+    result = plan(minimax, parse_gpu_spec("A100-SXM4-80GB:4"))
+    assert any("Marlin" in w for w in result.warnings)
+    assert not any("Marlin" in w for w in plan(minimax, parse_gpu_spec("H200:4")).warnings)
+
+
+def test_fp8_block_experts_that_tp_cannot_split_get_expert_parallel():
+    minimax = inspect_model("MiniMaxAI/MiniMax-M2")
+    result = plan(minimax, parse_gpu_spec("A100-SXM4-40GB:8"))
+    assert result.tensor_parallel_size == 8
+    assert "--enable-expert-parallel" in result.argv
+
+
+def test_workloads_change_the_flags():
+    gpus = parse_gpu_spec("H100-SXM:1")
+    shared = plan(LLAMA_8B, gpus, workload="shared-prefix")
+    assert (
+        "--enable-prefix-caching" in shared.argv and flag(shared.argv, "--max-num-batched-tokens") == "16384"
+    )
+    throughput = plan(LLAMA_8B, gpus, workload="throughput")
+    assert flag(throughput.argv, "--max-num-seqs") == "512"
+    latency = plan(LLAMA_8B, gpus, workload="latency")
+    config = json.loads(flag(latency.argv, "--speculative-config"))
+    assert config["method"] == "eagle3" and config["model"] == catalog.get(LLAMA_8B.name).speculative.model
+    assert "--speculative-config" not in plan(LLAMA_70B, parse_gpu_spec("H200:2"), workload="latency").argv
+
+
+def test_unknown_workload_is_a_usage_error():
+    with pytest.raises(UsageError, match="long-context"):
+        plan(LLAMA_8B, parse_gpu_spec("H200:1"), workload="fast")
+
+
+def test_requested_context_is_honoured_or_refused():
+    result = plan(LLAMA_8B, parse_gpu_spec("L4:1"), max_model_len=8192)
+    assert result.max_model_len == 8192
+    above = plan(LLAMA_8B, parse_gpu_spec("H200:1"), max_model_len=10**6)
+    assert above.max_model_len == LLAMA_8B.native_max_len and any(
+        "native context" in w for w in above.warnings
+    )
+    with pytest.raises(DoesNotFit):
+        plan(LLAMA_70B, parse_gpu_spec("A100-SXM4-80GB:2"), max_model_len=131072)
+
+
+def test_overrides_beat_tuned_values_and_are_reported():
+    result = plan(
+        LLAMA_8B,
+        parse_gpu_spec("H200:2"),
+        overrides=["--max-model-len=16384", "--enforce-eager", "--tensor-parallel-size", "2"],
+    )
+    assert result.argv.count("--max-model-len") == 1 and flag(result.argv, "--max-model-len") == "16384"
+    assert result.argv[-5:] == ["--max-model-len", "16384", "--enforce-eager", "--tensor-parallel-size", "2"]
+    assert result.tensor_parallel_size == 2 and result.max_model_len == 16384
+    assert result.reasons["--max-model-len"].startswith("operator override")
+    assert result.budget.cuda_graph_bytes == 0
+
+
+def test_secrets_never_reach_argv():
+    with pytest.raises(UsageError, match="0600"):
+        plan(LLAMA_8B, parse_gpu_spec("H200:1"), overrides=["--api-key", "sk-secret"])
+
+
+def test_cpu_engine_plan():
+    result = plan(spec_from_catalog(catalog.get("Qwen/Qwen2.5-7B-Instruct")), GpuInventory.cpu(64 * GIB))
+    assert result.engine == "cpu" and result.gpu_memory_utilization is None
+    assert "--tensor-parallel-size" not in result.argv and flag(result.argv, "--dtype") == "bfloat16"
+    space = int(result.env["VLLM_CPU_KVCACHE_SPACE"])
+    assert 1 <= space <= 32
+    assert result.max_model_len <= 4096
+    with pytest.raises(DoesNotFit, match="RAM"):
+        plan(LLAMA_70B, GpuInventory.cpu(24 * GIB))
+
+
+RENTALS = ["A100-SXM4-80GB:1", "A100-SXM4-80GB:4", "A100-SXM4-80GB:8", "H200:8"]
+
+
+@pytest.mark.parametrize("entry", catalog.ENTRIES, ids=lambda e: e.repo_id)
+def test_every_catalog_model_has_a_plan_on_some_rental(entry):
+    spec = spec_from_catalog(entry)
+    for rental in RENTALS:
+        try:
+            result = plan(spec, parse_gpu_spec(rental))
+        except DoesNotFit:
+            continue
+        assert result.fits and result.kv_cache_tokens >= result.max_model_len
+        break
+    else:
+        result = plan(spec, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2)
+        assert result.pipeline_parallel_size == 2
+
+
+SPECS = [spec_from_catalog(e) for e in catalog.ENTRIES]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    model=st.sampled_from(SPECS),
+    gpu=st.sampled_from(KNOWN_GPUS),
+    count=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    nodes=st.integers(min_value=1, max_value=3),
+    workload=st.sampled_from(["chat", "shared-prefix", "long-context", "latency", "throughput"]),
+)
+def test_plans_never_exceed_the_memory_they_claim(model, gpu, count, nodes, workload):
+    gpus = inventory_of(gpu, count)
+    try:
+        result = plan(model, gpus, nodes=nodes, workload=workload)
+    except DoesNotFit as error:
+        assert error.needed_bytes > 0 and error.available_bytes > 0
+        return
+    budget = result.budget
+    assert budget.used_bytes <= budget.usable_bytes <= budget.total_bytes == gpus.memory_bytes
+    assert model.num_attention_heads % result.tensor_parallel_size == 0
+    if model.attention == "gqa":
+        kv, tp = model.num_kv_heads, result.tensor_parallel_size
+        assert kv % tp == 0 if kv >= tp else tp % kv == 0
+    assert result.tensor_parallel_size <= count and result.pipeline_parallel_size <= nodes
+    per_token = model.kv_bytes_per_token(
+        result.tensor_parallel_size, result.pipeline_parallel_size, 1 if result.kv_cache_dtype == "fp8" else 0
+    )
+    assert result.kv_cache_tokens * per_token <= budget.kv_cache_bytes
+    assert result.max_model_len <= min(model.native_max_len, result.kv_cache_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.sampled_from([8, 12, 28, 32, 40, 48, 64, 96]),
+    kv=st.sampled_from([1, 2, 4, 8]),
+    count=st.integers(min_value=1, max_value=8),
+)
+def test_tp_divides_heads_for_any_shape(heads, kv, count):
+    model = spec_from_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": heads * 64,
+            "intermediate_size": heads * 128,
+            "num_hidden_layers": 8,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "vocab_size": 32000,
+            "max_position_embeddings": 8192,
+        },
+        name="shape",
+        weight_bytes=None,
+        weight_bytes_source="",
+        source="test",
+    )
+    try:
+        result = plan(model, inventory_of(KNOWN_GPUS[0], count))
+    except DoesNotFit:
+        return
+    tp = result.tensor_parallel_size
+    assert heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
