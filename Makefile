@@ -11,7 +11,7 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 lint: bootstrap
-	$(BIN)/ruff check kimi_service tests scripts
+	$(BIN)/ruff check kimi_service tests scripts bench
 	$(BIN)/yamllint --strict .
 	$(BIN)/ansible-playbook --syntax-check site.yml
 	$(BIN)/ansible-lint --offline -q

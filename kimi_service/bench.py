@@ -195,25 +195,46 @@ class Tokenizer:
         return set(self._tok.all_special_ids)
 
 
-def text_of_length(tokenizer: Tokenizer, length: int, rng: random.Random) -> str:
-    """Random text that the tokenizer encodes to exactly `length` tokens (or as close as it gets)."""
+def word_pool(tokenizer: Tokenizer, rng: random.Random, sample: int = 8192) -> list[int]:
+    """Token ids that stay themselves when their text is concatenated and encoded again.
+
+    Random ids decode to byte fragments and odd joins that re-encode to other lengths; a token that
+    round-trips alone and starts a word (a leading space) keeps its own boundary in any sequence of
+    such tokens, so a prompt made of them has the length it was made with.
+    """
+    special = tokenizer.special_ids
+    candidates = rng.sample(range(tokenizer.vocab_size), min(sample, tokenizer.vocab_size))
+    clean = []
+    for token in candidates:
+        if token in special:
+            continue
+        text = tokenizer.decode([token])
+        if text.strip() and "\ufffd" not in text and tokenizer.encode(text) == [token]:
+            clean.append(token)
+    words = [token for token in clean if tokenizer.decode([token]).startswith(" ")]
+    # Tokenizers without space-led tokens (SentencePiece strips the marker alone) fall back to every
+    # clean token; text_of_length's correction loop then absorbs the odd merge.
+    pool = words if len(words) >= 64 else clean
+    if not pool:
+        raise KimiError("the tokenizer has no token that encodes back to itself; cannot make prompts")
+    return pool
+
+
+def text_of_length(tokenizer: Tokenizer, length: int, rng: random.Random, pool: Sequence[int]) -> str:
+    """Text that the tokenizer encodes to exactly `length` tokens (or the closest found)."""
     if length <= 0:
         return ""
-    special = tokenizer.special_ids
-    ids = [i for i in (rng.randrange(tokenizer.vocab_size) for _ in range(length * 2)) if i not in special]
-    text = tokenizer.decode(ids[:length])
-    best = text
-    for _ in range(20):
-        encoded = tokenizer.encode(text)
-        if len(encoded) == length:
+    ids = [rng.choice(pool) for _ in range(length)]
+    best, best_miss = "", length
+    for _ in range(50):
+        text = tokenizer.decode(ids)
+        miss = len(tokenizer.encode(text)) - length
+        if miss == 0:
             return text
-        if abs(len(encoded) - length) < abs(len(tokenizer.encode(best)) - length):
-            best = text
-        if len(encoded) > length:
-            text = tokenizer.decode(encoded[:length])
-        else:
-            extra = [rng.randrange(tokenizer.vocab_size) for _ in range(length - len(encoded))]
-            text = tokenizer.decode(encoded + [i for i in extra if i not in special])
+        if abs(miss) < abs(best_miss):
+            best, best_miss = text, miss
+        # Too long: drop tokens from the end; too short: add more. Joins move by a few tokens at most.
+        ids = ids[: len(ids) - miss] if miss > 0 else ids + [rng.choice(pool) for _ in range(-miss)]
     return best
 
 
@@ -222,8 +243,9 @@ def make_prompts(
 ) -> tuple[str, list[str]]:
     """(shared system prompt, per-request prompts), each of the asked token length."""
     rng = random.Random(seed)
-    prefix = text_of_length(tokenizer, shared_prefix_len, rng)
-    return prefix, [text_of_length(tokenizer, input_len, rng) for _ in range(count)]
+    pool = word_pool(tokenizer, rng)
+    prefix = text_of_length(tokenizer, shared_prefix_len, rng, pool)
+    return prefix, [text_of_length(tokenizer, input_len, rng, pool) for _ in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,6 +386,8 @@ class BenchSettings:
     output_len: int
     prompts: int
     api_key: str | None = None
+    # Named in the message when the server refuses the key.
+    api_key_env: str = "VLLM_API_KEY"
     shared_prefix_len: int = 0
     api: str = "chat"
     slo: Slo = field(default_factory=Slo)
@@ -418,6 +442,11 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
             base_url=base, headers=headers, timeout=settings.timeout_s, limits=limits
         ) as client:
             warmup = await send_request(client, path, bodies[0])
+            if warmup.error and warmup.error.startswith(("HTTP 401", "HTTP 403")):
+                raise UsageError(
+                    f"{base} refused the API key ({warmup.error[:8]}): set ${settings.api_key_env} to the "
+                    "server's key, or name the variable that holds it with --api-key-env"
+                )
             if not warmup.ok:
                 raise KimiError(f"the warm-up request to {base}{path} failed: {warmup.error}")
             levels = []

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kimi_service import __version__
 from kimi_service.errors import KimiError
@@ -16,8 +19,248 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan, run, check and monitor a vLLM endpoint on NVIDIA GPU hosts.",
     )
     parser.add_argument("--version", action="version", version=f"kimi-service {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_plan(commands)
+    _add_bench(commands)
+    _add_serve(commands)
+    _add_health(commands)
+    _add_exporter(commands)
+    _add_fetch(commands)
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_plan(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="will the model fit? tuned vLLM flags, or what would fit (exit 0 fits, 3 no, 2 bad input)",
+        description="Plan vLLM for a model on given GPUs without touching them: tensor/pipeline parallel sizes, "
+        "context length, memory budget and the reason for every flag.",
+    )
+    plan.add_argument("--model", required=True, metavar="DIR_OR_REPO_ID",
+                      help="a model directory with config.json, or a catalog repo id (e.g. moonshotai/Kimi-K2.5)")
+    plan.add_argument("--gpus", required=True, metavar="SPEC",
+                      help="NAME:COUNT, COUNTxNAME or NAME:COUNT:MEMORY (A100-SXM4-80GB:4, 8xH200, L40S:2:48GiB); "
+                      "cpu[:MEMORY] for the CPU engine")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes with SPEC GPUs each (default 1)")
+    plan.add_argument("--max-model-len", type=int, metavar="N", help="context length to plan for")
+    plan.add_argument("--workload", default="chat", help="chat, shared-prefix, long-context, latency or throughput")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from kimi_service import hardware, model, planner
+
+    gpus = hardware.parse_gpu_spec(args.gpus)
+    spec = model.inspect_model(args.model)
+    try:
+        result = planner.plan(
+            spec, gpus, nodes=args.nodes, workload=args.workload, max_model_len=args.max_model_len
+        )
+    except planner.DoesNotFit as exc:
+        if args.json:
+            print(json.dumps({"fits": False, "error": str(exc), "needed_bytes": exc.needed_bytes,
+                              "available_bytes": exc.available_bytes, "suggestions": exc.suggestions}, indent=2))
+        raise
+    print(json.dumps(result.to_json(), indent=2) if args.json else planner.render(result))
+    return 0
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="concurrency sweep against an OpenAI-compatible endpoint",
+        description="Measure TTFT, inter-token latency, end-to-end latency, throughput and goodput "
+        "at each concurrency level against an OpenAI-compatible streaming endpoint.",
+    )
+    bench.add_argument("--url", default="http://127.0.0.1:8000", help="endpoint base URL")
+    bench.add_argument("--model", required=True, help="served model name")
+    bench.add_argument("--api-key-env", metavar="VAR", default="VLLM_API_KEY",
+                       help="environment variable holding the API key (default VLLM_API_KEY)")
+    bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
+    bench.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
+    bench.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    bench.add_argument("--prompts", type=int, default=64, help="requests per concurrency level")
+    bench.add_argument("--shared-prefix-len", type=int, default=0,
+                       help="tokens of one system prompt shared by every request")
+    bench.add_argument("--api", choices=["chat", "completions"], default="chat")
+    bench.add_argument("--slo", help="goodput objectives, e.g. ttft=2,itl=0.1 (seconds)")
+    bench.add_argument("--tokenizer", help="tokenizer directory (default: the model's directory)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", dest="json_path", type=Path, metavar="FILE", help="write results as JSON")
+    bench.add_argument("--plot", type=Path, metavar="FILE.png", help="write a PNG plot")
+    bench.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kimi_service import bench
+
+    settings = bench.BenchSettings(
+        url=args.url, model=args.model, api_key=os.environ.get(args.api_key_env) or None,
+        api_key_env=args.api_key_env, concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
+        prompts=args.prompts, shared_prefix_len=args.shared_prefix_len, api=args.api,
+        slo=bench.Slo.parse(args.slo), tokenizer=args.tokenizer, seed=args.seed,
+    )
+    report = bench.run_bench(settings)
+    print(bench.format_table(report))
+    if args.json_path:
+        args.json_path.write_text(json.dumps(report.to_json(), indent=2))
+    if args.plot:
+        bench.write_plot(report, args.plot)
+    return 1 if any(level.errors for level in report.levels) else 0
+
+
+def _log_to_journal() -> None:
+    import logging
+
+    # systemd's journal adds the time and unit; keep lines short.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=Path("/etc/kimi-service/config.yaml"),
+                        help="config file (default /etc/kimi-service/config.yaml)")
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="plan and run vLLM under systemd (Type=notify)",
+                                description="Plan from the hardware and model, run the vLLM OpenAI "
+                                "server, report readiness and watchdog pings to systemd.")
+    _config_arg(serve)
+    serve.add_argument("--check", action="store_true",
+                       help="validate the config, inspect the model and plan, print the command; start nothing")
+    serve.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kimi_service import config, launcher
+
+    loaded = config.load_config(args.config)
+    if args.check:
+        launch = launcher.prepare(loaded)
+        plan = launch.plan_document
+        print(f"{args.config}: valid; engine {plan.get('engine')}, TP {plan.get('tensor_parallel_size')}, "
+              f"max_model_len {plan.get('max_model_len')}, KV cache {plan.get('kv_cache_tokens'):,} tokens")
+        print("would run: " + " ".join(launch.argv))
+        return 0
+    _log_to_journal()
+    return launcher.serve(loaded)
+
+
+def _add_health(commands) -> None:
+    check = commands.add_parser("health", help="check the endpoint and GPUs (exit 0 ok, 1 degraded, 2 down)")
+    _config_arg(check)
+    check.add_argument("--url", help="API base URL (default: from the config, else http://127.0.0.1:8000)")
+    check.add_argument("--model", help="served model name that must be listed (default: from the config)")
+    check.add_argument("--json", action="store_true", help="print every check as JSON")
+    check.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                       help="retry until healthy or this many seconds pass")
+    check.add_argument("--no-smoke", action="store_true", help="skip the smoke chat completion")
+    check.add_argument("--no-gpu", action="store_true", help="skip the NVML checks")
+    check.set_defaults(handler=_run_health)
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    from kimi_service import config, health
+
+    cfg = config.load_config(args.config) if args.config.exists() or not args.url else None
+    target = health.Target(
+        url=(args.url or cfg.api.local_url).rstrip("/"),
+        served_name=args.model or (cfg.model.served_name if cfg else None),
+        api_key=os.environ.get("VLLM_API_KEY") or None,
+        timeout=cfg.health.timeout if cfg else 10.0,
+        smoke=not args.no_smoke and (cfg.health.smoke if cfg else True),
+        smoke_max_tokens=cfg.health.smoke_max_tokens if cfg else 4,
+    )
+    report = health.wait_for_health(target, args.wait, gpus=not args.no_gpu,
+                                    expect_gpus=bool(cfg and cfg.plan.engine == "cuda"))
+    print(report.to_json() if args.json else report.to_text())
+    return report.exit_code
+
+
+def _add_exporter(commands) -> None:
+    exporter = commands.add_parser("exporter", help="Prometheus exporter: GPU (dcgm names), health, plan")
+    _config_arg(exporter)
+    exporter.add_argument("--port", type=int, help="listen port (default: exporter.port of the config, 9400)")
+    exporter.add_argument("--host", help="listen address (default: exporter.host of the config)")
+    exporter.set_defaults(handler=_run_exporter)
+
+
+def _run_exporter(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kimi_service import config, exporter, health
+
+    _log_to_journal()
+    cfg = config.load_config(args.config)
+    target = health.Target(url=cfg.api.local_url, served_name=cfg.model.served_name,
+                           api_key=os.environ.get("VLLM_API_KEY") or None, timeout=cfg.health.timeout,
+                           smoke=cfg.health.smoke, smoke_max_tokens=cfg.health.smoke_max_tokens)
+    poller = exporter.HealthPoller(target, cfg.exporter.health_interval)
+    collector = exporter.KimiCollector(nvml_module=None, plan_file=cfg.paths.plan_file, poller=poller)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    exporter.serve_exporter(collector, poller, args.host or cfg.exporter.host, args.port or cfg.exporter.port,
+                            stop)
+    return 0
+
+
+def _add_fetch(commands) -> None:
+    fetch = commands.add_parser(
+        "fetch", help="download model weights resumably and verify them (hub, ModelScope, mirror, local)",
+        description="List the repository's files, check free space, download what is missing (resuming "
+        "partial files), verify sizes (and sha256 with --verify full) and write a marker, so a rerun "
+        "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN), never from arguments.",
+    )
+    fetch.add_argument("--repo", required=True, help="repository id, e.g. moonshotai/Kimi-K2.5")
+    fetch.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    fetch.add_argument("--dest", type=Path, required=True, help="model directory to fill")
+    fetch.add_argument("--source", choices=["hf", "modelscope", "http", "local"], default="hf")
+    fetch.add_argument("--endpoint", default="",
+                       help="hub or mirror base URL (default https://huggingface.co, https://www.modelscope.cn)")
+    fetch.add_argument("--manifest-url", default="", help="http source: manifest URL (default ENDPOINT/"
+                       "kimi-manifest.json)")
+    fetch.add_argument("--local-path", type=Path, help="local source: directory holding the files")
+    fetch.add_argument("--verify", choices=["size", "full"], default="size",
+                       help="size: sizes only; full: sha256 (or git blob id) against the source's hashes")
+    fetch.add_argument("--reverify", action="store_true", help="re-check every file, ignoring the marker")
+    fetch.add_argument("--headroom", type=float, default=0.05, help="free-space margin as a fraction")
+    fetch.add_argument("--retries", type=int, default=5, help="retries per file after a failed transfer")
+    fetch.add_argument("--progress-file", type=Path, help="write progress (bytes done/total, rate) as JSON")
+    fetch.add_argument("--check", action="store_true",
+                       help="only report whether DEST is complete (exit 0) or not (exit 1); no network")
+    fetch.add_argument("--write-manifest", action="store_true",
+                       help="write DEST/kimi-manifest.json (for an http mirror of DEST) and exit")
+    fetch.set_defaults(handler=_run_fetch)
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    from kimi_service import weights
+
+    if args.write_manifest:
+        print(weights.write_manifest(args.dest))
+        return 0
+    default_endpoint = {"hf": "https://huggingface.co", "modelscope": "https://www.modelscope.cn"}
+    request = weights.FetchRequest(
+        source=args.source, repo=args.repo, revision=args.revision, dest=args.dest,
+        endpoint=args.endpoint or default_endpoint.get(args.source, ""), manifest_url=args.manifest_url,
+        local_path=args.local_path, verify=args.verify, reverify=args.reverify, headroom=args.headroom,
+        retries=args.retries, progress_file=args.progress_file, token=weights.token_from_env(args.source),
+    )
+    if args.check:
+        request.validate()
+        complete = weights.is_up_to_date(request)
+        print(json.dumps({"dest": str(args.dest), "complete": complete}))
+        return 0 if complete else 1
+    print(json.dumps(weights.fetch(request).to_json()))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

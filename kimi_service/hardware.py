@@ -212,14 +212,29 @@ def parse_gpu_spec(spec: str) -> GpuInventory:
     return inventory_of(gpu, count, memory)
 
 
-def host_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemTotal from /proc/meminfo, or None where there is no such file."""
+def host_memory_bytes(
+    meminfo: Path = Path("/proc/meminfo"), nodes: Path = Path("/sys/devices/system/node")
+) -> int | None:
+    """Memory the CPU engine can use: MemTotal, or the smallest NUMA node's when that is less.
+
+    vLLM's CPU engine binds to one NUMA node and sizes its KV cache from that node's memory, so on a
+    multi-node host (and on VMs that report a node smaller than MemTotal) the node is the limit.
+    None where there is no /proc/meminfo.
+    """
     try:
         text = meminfo.read_text()
     except OSError:
         return None
     match = re.search(r"^MemTotal:\s+(\d+)\s+kB", text, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else None
+    if not match:
+        return None
+    total = int(match.group(1)) * 1024
+    node_totals = []
+    for node_meminfo in sorted(nodes.glob("node[0-9]*/meminfo")):
+        found = re.search(r"MemTotal:\s+(\d+)\s+kB", node_meminfo.read_text())
+        if found and int(found.group(1)) > 0:
+            node_totals.append(int(found.group(1)) * 1024)
+    return min([total, *node_totals])
 
 
 def _text(value: Any) -> str:

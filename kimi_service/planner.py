@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -30,6 +31,7 @@ MIN_CONTEXT = 4096  # below this a chat deployment is not useful; never plan sho
 FP8_BLOCK = 128  # FP8 block-quantized experts split under TP only in whole 128-wide blocks
 CPU_RUNTIME_BYTES = 2 * GIB  # torch + vLLM processes of the CPU engine, measured 1.8-2.6 GB
 CPU_MAX_KV_GIB = 32
+CPU_ENGINE_MEMORY_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,21 @@ def _override_float(values: dict[str, str | None], flag: str) -> float | None:
         value = -1.0
     if not 0.0 < value <= 1.0:
         raise UsageError(f"override {flag} needs a fraction in (0, 1], got {values[flag]!r}")
+    return value
+
+
+_BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_byte_count(text: str | None, flag: str) -> int:
+    """vLLM's human-readable integers: `256M` is 256 MiB, `256m` is 256 million bytes."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", (text or "").strip())
+    if not match:
+        raise UsageError(f"override {flag} needs a byte count such as 268435456 or 256M, got {text!r}")
+    number, suffix = match.groups()
+    value = int(float(number) * _BYTE_SUFFIXES.get(suffix, 1))
+    if value < 1:
+        raise UsageError(f"override {flag} must be positive, got {text!r}")
     return value
 
 
@@ -833,16 +850,22 @@ def _plan_cpu(
     memory = gpus.host_memory_bytes
     if not memory:
         raise UsageError("host memory is unknown: give it in the spec, e.g. --gpus cpu:32GiB")
-    # Leave a fifth of RAM to the OS and other services; the KV cache takes at most half of what is left.
-    spare = int(memory * 0.8) - model.weight_bytes - CPU_RUNTIME_BYTES
+    # vLLM's CPU engine checks its KV cache against about half of the NUMA node's memory (measured: it
+    # reported 8.46 GiB for a node of 16.96 GiB); the KV cache takes at most half of what weights and
+    # the runtime leave of that, so other processes on the host do not push it over.
+    spare = int(memory * CPU_ENGINE_MEMORY_FRACTION) - model.weight_bytes - CPU_RUNTIME_BYTES
     kv_gib = min(spare // 2 // GIB, CPU_MAX_KV_GIB)
-    if kv_gib < 1:
+    explicit_kv = dict(pairs).get("--kv-cache-memory-bytes")
+    if explicit_kv is not None:
+        kv_bytes = parse_byte_count(explicit_kv, "--kv-cache-memory-bytes")
+    elif kv_gib < 1:
         needed = model.weight_bytes + CPU_RUNTIME_BYTES + 2 * GIB
         raise DoesNotFit(
             f"{model.name} does not fit in this host's memory for the CPU engine: it needs about "
-            f"{size(math.ceil(needed / 0.8))} of RAM (weights {size(model.weight_bytes)} + runtime "
+            f"{size(math.ceil(needed / CPU_ENGINE_MEMORY_FRACTION))} of RAM on one NUMA node "
+            f"(weights {size(model.weight_bytes)} + runtime "
             f"{gib(CPU_RUNTIME_BYTES)} + at least 1 GiB of KV cache), the host has {size(memory)}.",
-            needed_bytes=math.ceil(needed / 0.8),
+            needed_bytes=math.ceil(needed / CPU_ENGINE_MEMORY_FRACTION),
             available_bytes=memory,
             suggestions=[
                 f"{e.repo_id} (a smaller catalog model, {size(e.weight_bytes)})"
@@ -850,15 +873,17 @@ def _plan_cpu(
                 if e.weight_bytes < model.weight_bytes
             ],
         )
+    else:
+        kv_bytes = kv_gib * GIB
     per_token = model.kv_bytes_per_token()
-    tokens = kv_gib * GIB // per_token
+    tokens = kv_bytes // per_token
     length = min(requested or CPU_DEFAULT_LEN, model.native_max_len, tokens)
     if requested and length < requested:
         raise DoesNotFit(
             f"a {requested:,}-token context needs {size(requested * per_token)} of KV cache; the CPU engine can "
-            f"spare {kv_gib} GiB on this host ({tokens:,} tokens)",
+            f"spare {size(kv_bytes)} on this host ({tokens:,} tokens)",
             needed_bytes=requested * per_token,
-            available_bytes=kv_gib * GIB,
+            available_bytes=kv_bytes,
             suggestions=[f"--max-model-len {tokens:,} or less"],
         )
     flags: list[tuple[str, str | None, str]] = [
@@ -883,10 +908,17 @@ def _plan_cpu(
         flags.extend(f for f in _catalog_flags(entry) if f[0] != "--mm-encoder-tp-mode")
     elif model.trust_remote_code:
         flags.append(("--trust-remote-code", None, "config.json's auto_map points at code in the model repo"))
-    reasons = {
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib} GiB of KV cache: half the RAM left after weights and runtime "
-        f"(capped at {CPU_MAX_KV_GIB}); vLLM's CPU engine refuses to start without it"
-    }
+    if explicit_kv is not None:
+        # The variable would beat the operator's flag inside vLLM's CPU engine.
+        env: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+    else:
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+        reasons = {
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib} GiB of KV cache: half of what weights and runtime leave of "
+            f"the memory the CPU engine may use on its NUMA node (capped at {CPU_MAX_KV_GIB}); vLLM's CPU "
+            "engine refuses to start without a KV cache size"
+        }
     if workload != "chat":
         warnings.append(f"the CPU engine ignores the {workload!r} tuning: it is for tests and small models")
     return _assemble(
@@ -906,7 +938,7 @@ def _plan_cpu(
         None,
         tokens,
         False,
-        env={"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)},
+        env=env,
     )
 
 

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-host_packages=(debootstrap systemd-container zstd iproute2 nftables openssh-client rsync)
+host_packages=(debootstrap systemd-container zstd iproute2 nftables openssh-client rsync apt-utils)
 missing=()
 for pkg in "${host_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

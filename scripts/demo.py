@@ -1,13 +1,17 @@
-"""`make demo`: boot a local systemd test host, run site.yml against it, say where the endpoint is.
+"""`make demo`: the whole product on this machine, without a GPU.
 
-`make demo-down` stops the host. The host is a Debian 12 systemd-nspawn guest on this machine's
-network (tests/hosts/nspawn.py), so its ports are this machine's ports.
+Boots a local systemd test host (a Debian 12 systemd-nspawn guest on this machine's network, so its
+ports are this machine's ports), serves a small generated model from a local hub-protocol server, and
+runs site.yml against the host with the CPU engine installed from an offline wheelhouse. Then it
+prints the endpoint and an `openai` snippet that works. `make demo-down` removes the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +20,23 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from tests.hosts.nspawn import HostError, TestHost, run_dir, write_inventory  # noqa: E402
+from tests.support.hub_server import HubServer  # noqa: E402
+from tests.support.tiny_model import ensure_tiny_model  # noqa: E402
+from tests.support.wheelhouse import ensure_cpu_wheelhouse, wheelhouse_vars  # noqa: E402
 
 HOST_NAME = "kimi-demo"
 STATE_DIR = PROJECT_ROOT / ".demo"
+DEMO_REPO = "kimi-demo/tiny-llama"
+SERVED_NAME = "kimi-demo"
+
+
+def _api_key() -> str:
+    """One random key per demo host, kept 0600 beside the demo's inventory."""
+    path = STATE_DIR / "api_key"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(f"sk-demo-{secrets.token_hex(16)}")
+    return path.read_text().strip()
 
 
 def up(extra_args: list[str]) -> int:
@@ -37,21 +55,45 @@ def up(extra_args: list[str]) -> int:
             host.stop()
             raise
     STATE_DIR.mkdir(exist_ok=True)
-    inventory = write_inventory(STATE_DIR / "inventory.yml", [host])
-    ansible = Path(sys.executable).parent / "ansible-playbook"
-    argv = [str(ansible), "-i", str(inventory), "site.yml", *extra_args]
-    print("demo: $", " ".join(argv), flush=True)
-    result = subprocess.run(argv, cwd=PROJECT_ROOT)
+    print("demo: preparing the small model and the offline CPU-engine wheelhouse (cached after the first run)")
+    model = ensure_tiny_model()
+    wheelhouse = ensure_cpu_wheelhouse()
+    api_key = _api_key()
+    with HubServer(root=model, repo=DEMO_REPO, host="127.0.0.1") as hub:
+        inventory = write_inventory(STATE_DIR / "inventory.yml", [host], extra_vars={
+            **wheelhouse_vars(wheelhouse),
+            "kimi_model": DEMO_REPO,
+            "kimi_hf_endpoint": hub.url,
+            "kimi_served_model_name": SERVED_NAME,
+            "kimi_api_key": api_key,
+            "kimi_vllm_extra_args": ["--enforce-eager"],
+        })
+        (STATE_DIR / "inventory.yml").chmod(0o600)
+        ansible = Path(sys.executable).parent / "ansible-playbook"
+        argv = [str(ansible), "-i", str(inventory), "site.yml", *extra_args]
+        print("demo: $", " ".join(argv), flush=True)
+        result = subprocess.run(argv, cwd=PROJECT_ROOT)
     if result.returncode != 0:
         print(f"demo: site.yml failed (exit {result.returncode}); the host stays up for inspection:\n"
               f"  {' '.join(host.ssh_argv())}\n  make demo-down   # to remove it", file=sys.stderr)
         return result.returncode
     print(
-        "\ndemo: site.yml converged on the local test host.\n"
-        f"  log in:      {' '.join(host.ssh_argv())}\n"
-        f"  inventory:   {inventory}\n"
-        "  This release provisions the preflight and runtime stages (service account, directories);\n"
-        "  the GPU, weights, service and verify stages have no roles yet, so no endpoint is served.\n"
+        "\ndemo: the endpoint is up on this machine.\n"
+        "  endpoint:   http://127.0.0.1:8000/v1  (OpenAI-compatible)\n"
+        f"  model:      {SERVED_NAME} (a small generated Llama: its answers are noise)\n"
+        f"  API key:    in {STATE_DIR / 'api_key'}\n"
+        "  metrics:    http://127.0.0.1:9400/metrics (exporter), http://127.0.0.1:8000/metrics (vLLM)\n"
+        f"  log in:     {' '.join(host.ssh_argv())}\n"
+        "  try it:\n"
+        f"    export KIMI_API_KEY=$(cat {STATE_DIR / 'api_key'})\n"
+        "    .venv/bin/python - <<'PY'\n"
+        "import os\n"
+        "from openai import OpenAI\n"
+        "client = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key=os.environ['KIMI_API_KEY'])\n"
+        f"reply = client.chat.completions.create(model={json.dumps(SERVED_NAME)}, max_tokens=16,\n"
+        "                                       messages=[{'role': 'user', 'content': 'Hello!'}])\n"
+        "print(reply.choices[0].message.content)\n"
+        "PY\n"
         "  make demo-down removes the host."
     )
     return 0

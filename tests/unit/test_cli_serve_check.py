@@ -1,0 +1,44 @@
+"""`kimi-service serve --check`: the gate the service role puts in front of a new config.yaml."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kimi_service.cli import main
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+    "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+}
+
+
+def _config(tmp_path: Path, model: Path, engine: str = "cpu") -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"model:\n  path: {model}\nplan:\n  engine: {engine}\npaths:\n  state_dir: {tmp_path}\n")
+    return path
+
+
+def test_check_plans_and_prints_the_command_without_starting(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert main(["serve", "--check", "--config", str(_config(tmp_path, model))]) == 0
+    out = capsys.readouterr().out
+    assert "valid; engine cpu" in out
+    assert "would run: " in out and "--model " + str(model) in out
+
+
+def test_check_refuses_a_bad_value_with_exit_2(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    assert main(["serve", "--check", "--config", str(_config(tmp_path, model, engine="gpu"))]) == 2
+    assert "plan.engine" in capsys.readouterr().err
+
+
+def test_check_refuses_a_model_that_does_not_fit_with_exit_3(tmp_path, capsys):
+    model = FIXTURES / "meta-llama--Llama-3.1-70B-Instruct"
+    assert main(["serve", "--check", "--config", str(_config(tmp_path, model))]) == 3
+    assert "does not fit" in capsys.readouterr().err

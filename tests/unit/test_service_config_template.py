@@ -1,0 +1,52 @@
+"""The config.yaml the vllm_service role writes is one the service's own schema accepts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+from kimi_service.config import ConfigError, parse_config
+
+ROLES = Path(__file__).resolve().parents[2] / "roles"
+
+
+def _render(**overrides) -> dict:
+    """Render the template the way the role does: Ansible's templar over the role's own files."""
+    loader = DataLoader()
+    values: dict = {}
+    for path in ("kimi_common/defaults/main.yml", "vllm_service/defaults/main.yml", "vllm_service/vars/main.yml"):
+        values.update(loader.load_from_file(str(ROLES / path), trusted_as_template=True))
+    values.update(ansible_managed="Ansible managed", _kimi_model_bytes=600 * 10**9, **overrides)
+    template = trust_as_template((ROLES / "vllm_service/templates/config.yaml.j2").read_text())
+    return yaml.safe_load(Templar(loader=loader, variables=values).template(template))
+
+
+def test_defaults_render_a_valid_config():
+    document = _render()
+    config = parse_config(document)
+    assert str(config.model.path) == "/var/lib/kimi-service/models/moonshotai/Kimi-K2.5@main"
+    assert config.model.served_name == "moonshotai/Kimi-K2.5"
+    assert config.api.port == 8000 and config.exporter.port == 9400
+    assert config.plan.max_model_len is None and config.plan.extra_args == ()
+    # 600 GB of weights: the same start window the unit gets.
+    assert config.serve.startup_timeout == 300 + 55 * 60
+
+
+def test_operator_values_reach_the_config():
+    config = parse_config(_render(
+        kimi_model="/srv/models/qwen", kimi_served_model_name="qwen", kimi_engine="cpu", kimi_workload="latency",
+        kimi_max_model_len=8192, kimi_vllm_extra_args=["--max-num-seqs", "64"], kimi_api_port=8080,
+    ))
+    assert str(config.model.path) == "/srv/models/qwen" and config.model.served_name == "qwen"
+    assert (config.plan.engine, config.plan.workload, config.plan.max_model_len) == ("cpu", "latency", 8192)
+    assert config.plan.extra_args == ("--max-num-seqs", "64")
+    assert config.api.port == 8080
+
+
+def test_a_reserved_flag_in_extra_args_is_refused_by_the_schema():
+    with pytest.raises(ConfigError, match="--api-key"):
+        parse_config(_render(kimi_vllm_extra_args=["--api-key", "sk-x"]))
