@@ -272,17 +272,25 @@ def _request_body(api: str, model: str, system: str, prompt: str, output_len: in
 
 
 def _chunk_has_text(chunk: dict[str, Any]) -> bool:
+    """A chunk carries generated tokens: answer text, reasoning, or a tool call's arguments (a server
+    with a tool-call parser streams those as tool_calls deltas instead of content)."""
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
+        if any(delta.get(key) for key in ("content", "reasoning_content", "reasoning", "tool_calls")):
+            return True
+        if choice.get("text"):
             return True
     return False
 
 
 async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
+    """One streamed request. TTFT ends at the first chunk that carries a choice: vLLM sends it when the
+    first token exists, even when that token's text is empty (a special or half-UTF-8 token), which
+    random-weight models produce for whole answers. Inter-token gaps are measured between chunks with
+    text, so the role chunk vLLM sends just before the first text adds no artificial zero gap."""
     start = time.perf_counter()
     first: float | None = None
-    last = start
+    last_text: float | None = None
     itls: list[float] = []
     chunks = 0
     usage: dict[str, Any] = {}
@@ -300,14 +308,16 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if not _chunk_has_text(chunk):
+                if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
                 if first is None:
                     first = now
-                else:
-                    itls.append(now - last)
-                last = now
+                if not _chunk_has_text(chunk):
+                    continue
+                if last_text is not None:
+                    itls.append(now - last_text)
+                last_text = now
                 chunks += 1
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
@@ -407,6 +417,13 @@ class BenchSettings:
             raise UsageError(f"--api must be one of {', '.join(APIS)}")
 
 
+def _key_refused(settings: BenchSettings, status: str) -> UsageError:
+    return UsageError(
+        f"{settings.url} refused the API key ({status}): set ${settings.api_key_env} to the server's key, "
+        "or name the variable that holds it with --api-key-env"
+    )
+
+
 def _tokenizer_source(settings: BenchSettings, client: httpx.Client) -> str:
     if settings.tokenizer:
         return settings.tokenizer
@@ -414,7 +431,10 @@ def _tokenizer_source(settings: BenchSettings, client: httpx.Client) -> str:
         return settings.model
     # vLLM reports the directory it loaded the model from as the model's root.
     try:
-        models = client.get("/v1/models").json().get("data", [])
+        response = client.get("/v1/models")
+        if response.status_code in (401, 403):
+            raise _key_refused(settings, f"HTTP {response.status_code}")
+        models = response.json().get("data", [])
     except (httpx.HTTPError, ValueError) as exc:
         raise KimiError(f"cannot reach {settings.url}/v1/models: {exc}") from None
     for entry in models:
@@ -443,10 +463,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
         ) as client:
             warmup = await send_request(client, path, bodies[0])
             if warmup.error and warmup.error.startswith(("HTTP 401", "HTTP 403")):
-                raise UsageError(
-                    f"{base} refused the API key ({warmup.error[:8]}): set ${settings.api_key_env} to the "
-                    "server's key, or name the variable that holds it with --api-key-env"
-                )
+                raise _key_refused(settings, warmup.error[:8])
             if not warmup.ok:
                 raise KimiError(f"the warm-up request to {base}{path} failed: {warmup.error}")
             levels = []

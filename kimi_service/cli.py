@@ -102,8 +102,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     settings = bench.BenchSettings(
         url=args.url, model=args.model, api_key=os.environ.get(args.api_key_env) or None,
-        api_key_env=args.api_key_env, concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
-        prompts=args.prompts, shared_prefix_len=args.shared_prefix_len, api=args.api,
+        api_key_env=args.api_key_env, concurrency=args.concurrency, input_len=args.input_len,
+        output_len=args.output_len, prompts=args.prompts, shared_prefix_len=args.shared_prefix_len, api=args.api,
         slo=bench.Slo.parse(args.slo), tokenizer=args.tokenizer, seed=args.seed,
     )
     report = bench.run_bench(settings)

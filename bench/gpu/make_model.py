@@ -31,7 +31,9 @@ TRAINED_VOCAB = 32000
 DONE_MARKER = ".kimi-model-complete"
 BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
-SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT]
+# Llama 3's tool-call tokens too: vLLM's llama3_json tool parser, which the planner enables for this
+# model's family, refuses a tokenizer without <|python_tag|>.
+SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT, "<|eom_id|>", "<|python_tag|>"]
 # Llama 3's layout of roles and turns, so prompts have the length and structure real ones have.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -212,7 +214,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     # The marker holds the whole shape, so a changed table entry makes a new model.
-    recipe = json.dumps({"shape": args.shape, **asdict(shape)}, sort_keys=True)
+    recipe = json.dumps({"shape": args.shape, "special_tokens": SPECIAL_TOKENS, **asdict(shape)}, sort_keys=True)
     marker = args.out / DONE_MARKER
     if marker.exists() and marker.read_text().strip() == recipe:
         print(f"{args.out}: {args.shape} already there")

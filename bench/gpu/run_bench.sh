@@ -197,6 +197,12 @@ section_kimi() {  # WORKLOAD
     local workload=$1 config="kimi-$1"
     local logfile="$KIMI_WORK/logs/$config.log" conf="$KIMI_WORK/$config.yaml" plan="$RESULTS/plan-$config.json"
     log "$config: kimi-service serve with the planner's flags for workload $workload"
+    local extra_args="[]"
+    if [[ $workload == latency ]]; then
+        # The planner's EAGLE3 draft lives on the hub, which this machine cannot reach (and a draft
+        # trained on real text accepts nothing from random weights): n-gram speculation needs no model.
+        extra_args='["--speculative-config", "{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}"]'
+    fi
     "$PYTHON" -m kimi_service plan --model "$MODEL_DIR" --gpus "$(gpu_spec)" --max-model-len "$MAX_LEN" \
         --workload "$workload" --json > "$RESULTS/plan-cli-$config.json" 2> "$KIMI_WORK/logs/plan-$config.err" \
         || { echo "warning: kimi-service plan failed:"; cat "$KIMI_WORK/logs/plan-$config.err"; }
@@ -211,6 +217,7 @@ plan:
   engine: $ENGINE
   workload: $workload
   max_model_len: $MAX_LEN
+  extra_args: $extra_args
 paths:
   state_dir: $KIMI_WORK/state
   plan_file: $plan
