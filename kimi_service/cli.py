@@ -36,6 +36,23 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _env_file_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env-file", type=Path, metavar="FILE",
+                        help="systemd environment file to read VLLM_API_KEY from when the environment lacks it "
+                        "(e.g. /etc/kimi-service/secrets.env; keeps the key out of argv and Ansible's -vvv)")
+
+
+def _secret(args: argparse.Namespace, name: str) -> str | None:
+    """A secret from the environment, else from --env-file; never from an argument."""
+    if os.environ.get(name):
+        return os.environ[name]
+    if getattr(args, "env_file", None):
+        from kimi_service import config
+
+        return config.read_env_file(args.env_file).get(name) or None
+    return None
+
+
 def _add_plan(commands) -> None:
     plan = commands.add_parser(
         "plan", help="will the model fit? tuned vLLM flags, or what would fit (exit 0 fits, 3 no, 2 bad input)",
@@ -82,6 +99,7 @@ def _add_bench(commands) -> None:
     bench.add_argument("--model", required=True, help="served model name")
     bench.add_argument("--api-key-env", metavar="VAR", default="VLLM_API_KEY",
                        help="environment variable holding the API key (default VLLM_API_KEY)")
+    _env_file_arg(bench)
     bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     bench.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
     bench.add_argument("--output-len", type=int, default=128, help="output tokens per request")
@@ -101,7 +119,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from kimi_service import bench
 
     settings = bench.BenchSettings(
-        url=args.url, model=args.model, api_key=os.environ.get(args.api_key_env) or None,
+        url=args.url, model=args.model, api_key=_secret(args, args.api_key_env),
         api_key_env=args.api_key_env, concurrency=args.concurrency, input_len=args.input_len,
         output_len=args.output_len, prompts=args.prompts, shared_prefix_len=args.shared_prefix_len, api=args.api,
         slo=bench.Slo.parse(args.slo), tokenizer=args.tokenizer, seed=args.seed,
@@ -162,6 +180,7 @@ def _add_health(commands) -> None:
                        help="retry until healthy or this many seconds pass")
     check.add_argument("--no-smoke", action="store_true", help="skip the smoke chat completion")
     check.add_argument("--no-gpu", action="store_true", help="skip the NVML checks")
+    _env_file_arg(check)
     check.set_defaults(handler=_run_health)
 
 
@@ -172,7 +191,7 @@ def _run_health(args: argparse.Namespace) -> int:
     target = health.Target(
         url=(args.url or cfg.api.local_url).rstrip("/"),
         served_name=args.model or (cfg.model.served_name if cfg else None),
-        api_key=os.environ.get("VLLM_API_KEY") or None,
+        api_key=_secret(args, "VLLM_API_KEY"),
         timeout=cfg.health.timeout if cfg else 10.0,
         smoke=not args.no_smoke and (cfg.health.smoke if cfg else True),
         smoke_max_tokens=cfg.health.smoke_max_tokens if cfg else 4,
@@ -217,7 +236,8 @@ def _add_fetch(commands) -> None:
         "fetch", help="download model weights resumably and verify them (hub, ModelScope, mirror, local)",
         description="List the repository's files, check free space, download what is missing (resuming "
         "partial files), verify sizes (and sha256 with --verify full) and write a marker, so a rerun "
-        "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN), never from arguments.",
+        "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN) or with --token-stdin, never "
+        "from arguments.",
     )
     fetch.add_argument("--repo", required=True, help="repository id, e.g. moonshotai/Kimi-K2.5")
     fetch.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
@@ -234,6 +254,8 @@ def _add_fetch(commands) -> None:
     fetch.add_argument("--headroom", type=float, default=0.05, help="free-space margin as a fraction")
     fetch.add_argument("--retries", type=int, default=5, help="retries per file after a failed transfer")
     fetch.add_argument("--progress-file", type=Path, help="write progress (bytes done/total, rate) as JSON")
+    fetch.add_argument("--token-stdin", action="store_true",
+                       help="read the hub token from the first line of standard input instead of the environment")
     fetch.add_argument("--check", action="store_true",
                        help="only report whether DEST is complete (exit 0) or not (exit 1); no network")
     fetch.add_argument("--write-manifest", action="store_true",
@@ -252,7 +274,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
         source=args.source, repo=args.repo, revision=args.revision, dest=args.dest,
         endpoint=args.endpoint or default_endpoint.get(args.source, ""), manifest_url=args.manifest_url,
         local_path=args.local_path, verify=args.verify, reverify=args.reverify, headroom=args.headroom,
-        retries=args.retries, progress_file=args.progress_file, token=weights.token_from_env(args.source),
+        retries=args.retries, progress_file=args.progress_file,
+        token=sys.stdin.readline().strip() if args.token_stdin else weights.token_from_env(args.source),
     )
     if args.check:
         request.validate()

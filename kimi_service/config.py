@@ -305,3 +305,37 @@ def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
         return parse_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Variables of a systemd EnvironmentFile (the subset our templates write: KEY=value, KEY="quoted").
+
+    Lets a root command on the host take the API key from secrets.env instead of from its environment
+    or argv, where a verbose Ansible run or `ps` would show it.
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; it is written by the vllm_service role") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); run as root") from None
+    values: dict[str, str] = {}
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ConfigError(f"{path}:{number}: expected KEY=value")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = _unescape(value[1:-1])
+        values[name.strip()] = value
+    return values
+
+
+def _unescape(text: str) -> str:
+    out, chars = [], iter(text)
+    for char in chars:
+        out.append(next(chars, "\\") if char == "\\" else char)
+    return "".join(out)

@@ -508,9 +508,12 @@ def _trusted_files(marker: dict | None, listing: Listing, request: FetchRequest)
     """Files on disk that need no transfer, with their sha256 when it was checked.
 
     Either recorded unchanged in a matching marker, or present, unrecorded (an interrupted run, a
-    tree copied in beforehand) and verified now. A present file that fails verification is removed.
+    tree copied in beforehand) and verified now. A file that was recorded and has changed since (an
+    in-place write keeps its size) is trusted only after its hash matches, whatever the verify mode;
+    without a hash to compare it is fetched again. A present file that fails verification is removed.
     """
-    recorded = {}
+    recorded: dict[str, dict] = {}
+    stale: set[str] = set()
     if marker_matches(marker, (listing.repo, listing.revision)) and not request.reverify:
         stale = set(stale_files(marker, request.dest))
         recorded = {e["path"]: e for e in marker["files"] if e["path"] not in stale}
@@ -522,11 +525,16 @@ def _trusted_files(marker: dict | None, listing: Listing, request: FetchRequest)
             trusted[remote.path] = entry.get("sha256") if full else None
             continue
         target = request.dest / remote.path
-        if target.exists():
-            try:
-                trusted[remote.path] = verify_file(target, remote, request.verify)
-            except FetchError:
-                target.unlink()
+        if not target.exists():
+            continue
+        changed = remote.path in stale
+        if changed and not (remote.sha256 or remote.git_sha1):
+            target.unlink()
+            continue
+        try:
+            trusted[remote.path] = verify_file(target, remote, "full" if changed else request.verify)
+        except FetchError:
+            target.unlink()
     return trusted
 
 

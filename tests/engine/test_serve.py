@@ -124,6 +124,18 @@ def test_health_is_degraded_without_the_api_key(served: Served) -> None:
     assert "set VLLM_API_KEY" in result.stdout
 
 
+def test_health_reads_the_key_from_the_secrets_file(served: Served, tmp_path: Path) -> None:
+    """How the verify role and the upgrade gate call it: the key never travels through Ansible."""
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text(f'# managed\nVLLM_API_KEY="{served.api_key}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    result = subprocess.run([str(served.engine_venv / "bin" / "kimi-service"), "health", "--config",
+                             str(served.config_path), "--env-file", str(secrets), "--json"],
+                            capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["status"] == "ok"
+
+
 def test_exporter_serves_health_plan_and_nvml_down_series(served: Served, tmp_path: Path) -> None:
     import yaml
 

@@ -9,7 +9,7 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
-from kimi_service.config import ConfigError, parse_config
+from kimi_service.config import ConfigError, parse_config, read_env_file
 
 ROLES = Path(__file__).resolve().parents[2] / "roles"
 
@@ -50,3 +50,23 @@ def test_operator_values_reach_the_config():
 def test_a_reserved_flag_in_extra_args_is_refused_by_the_schema():
     with pytest.raises(ConfigError, match="--api-key"):
         parse_config(_render(kimi_vllm_extra_args=["--api-key", "sk-x"]))
+
+
+@pytest.mark.parametrize("key", ['sk-plain-123', 'sk-"quoted"\\back$slash #not-a-comment'])
+def test_secrets_file_reads_back_the_key_the_role_wrote(tmp_path, key):
+    """`kimi-service health|bench --env-file` parse secrets.env exactly as systemd does for the units."""
+    loader = DataLoader()
+    template = trust_as_template((ROLES / "vllm_service/templates/secrets.env.j2").read_text())
+    templar = Templar(loader=loader, variables={"ansible_managed": "Ansible managed", "kimi_api_key": key})
+    rendered = templar.template(template, escape_backslashes=False)  # as the template action renders files
+    path = tmp_path / "secrets.env"
+    path.write_text(rendered)
+    assert read_env_file(path) == {"VLLM_API_KEY": key}
+
+
+def test_secrets_file_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="written by the vllm_service role"):
+        read_env_file(tmp_path / "absent.env")
+    (bad := tmp_path / "bad.env").write_text("just words\n")
+    with pytest.raises(ConfigError, match="bad.env:1: expected KEY=value"):
+        read_env_file(bad)

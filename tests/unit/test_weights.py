@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -199,6 +200,18 @@ def test_token_is_sent_and_a_missing_token_is_explained(model_dir, tmp_path):
     _same_tree(model_dir, tmp_path / "b")
 
 
+def test_cli_reads_the_token_from_standard_input(model_dir, tmp_path, monkeypatch, capsys):
+    """The weights role passes the token on stdin: not in argv, not in an environment -vvv would print."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with HubServer(root=model_dir, repo=REPO, token="hf_secret") as server:
+        base = ["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", server.url]
+        monkeypatch.setattr("sys.stdin", io.StringIO("hf_wrong\n"))
+        assert main([*base, "--token-stdin"]) != 0
+        monkeypatch.setattr("sys.stdin", io.StringIO("hf_secret\n"))
+        assert main([*base, "--token-stdin"]) == 0
+    assert "hf_secret" not in capsys.readouterr().out
+
+
 def test_unknown_revision_is_a_clear_error(hub, tmp_path):
     request = weights.FetchRequest(source="hf", repo="nobody/none", revision="main", dest=tmp_path / "m",
                                    endpoint=hub.url)
@@ -238,3 +251,30 @@ def test_hub_server_speaks_the_protocol_huggingface_hub_uses(hub, model_dir, tmp
     info = hf.HfApi(endpoint=hub.url).model_info(REPO, revision="main", files_metadata=True, token=False)
     big = next(s for s in info.siblings if s.rfilename == BIG)
     assert big.lfs.sha256 == hashlib.sha256((model_dir / BIG).read_bytes()).hexdigest()
+
+
+def test_a_same_size_change_on_disk_is_caught_even_when_verifying_sizes_only(hub, model_dir, tmp_path):
+    """verify=size trusts the download, not a file that was written to after it was recorded."""
+    dest = tmp_path / "m"
+    weights.fetch(_request(hub, dest, verify="size"))
+    with (dest / BIG).open("r+b") as handle:
+        handle.seek(4096)
+        handle.write(b"garbage")
+    assert not weights.is_up_to_date(_request(hub, dest, verify="size"))
+    hub.log.clear()
+    result = weights.fetch(_request(hub, dest, verify="size"))
+    fetched = [r.path.rsplit("/", 1)[-1] for r in hub.log if "/resolve/" in r.path]
+    assert fetched == [BIG]
+    assert result.files_fetched == 1
+    _same_tree(model_dir, dest)
+
+
+def test_a_changed_file_without_a_published_hash_is_fetched_again(model_dir, tmp_path):
+    """A plain mirror without sha256 in its manifest: a touched file cannot be proven intact."""
+    source = weights.FetchRequest(source="local", repo=REPO, revision="main", dest=tmp_path / "m",
+                                  local_path=model_dir, verify="size")
+    weights.fetch(source)
+    target = tmp_path / "m" / "tokenizer.json"
+    target.write_text("[]" * 1000)
+    weights.fetch(source)
+    assert target.read_text() == (model_dir / "tokenizer.json").read_text()
