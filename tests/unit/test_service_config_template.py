@@ -68,5 +68,5 @@ def test_secrets_file_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="written by the vllm_service role"):
         read_env_file(tmp_path / "absent.env")
     (bad := tmp_path / "bad.env").write_text("just words\n")
-    with pytest.raises(ConfigError, match="bad.env:1: expected KEY=value"):
+    with pytest.raises(ConfigError, match=r"bad\.env:1: expected KEY=value"):
         read_env_file(bad)
