@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_service import __version__
-from kimi_service.errors import KimiError
+from kimi_service.errors import KimiError, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,7 +236,7 @@ def _add_fetch(commands) -> None:
         "fetch", help="download model weights resumably and verify them (hub, ModelScope, mirror, local)",
         description="List the repository's files, check free space, download what is missing (resuming "
         "partial files), verify sizes (and sha256 with --verify full) and write a marker, so a rerun "
-        "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN) or with --token-stdin, never "
+        "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN) or --token-file, never "
         "from arguments.",
     )
     fetch.add_argument("--repo", required=True, help="repository id, e.g. moonshotai/Kimi-K2.5")
@@ -254,13 +254,20 @@ def _add_fetch(commands) -> None:
     fetch.add_argument("--headroom", type=float, default=0.05, help="free-space margin as a fraction")
     fetch.add_argument("--retries", type=int, default=5, help="retries per file after a failed transfer")
     fetch.add_argument("--progress-file", type=Path, help="write progress (bytes done/total, rate) as JSON")
-    fetch.add_argument("--token-stdin", action="store_true",
-                       help="read the hub token from the first line of standard input instead of the environment")
+    fetch.add_argument("--token-file", type=Path, metavar="FILE",
+                       help="read the hub token from FILE (root-only) instead of the environment")
     fetch.add_argument("--check", action="store_true",
                        help="only report whether DEST is complete (exit 0) or not (exit 1); no network")
     fetch.add_argument("--write-manifest", action="store_true",
                        help="write DEST/kimi-manifest.json (for an http mirror of DEST) and exit")
     fetch.set_defaults(handler=_run_fetch)
+
+
+def _read_token(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--token-file {path}: cannot read it ({exc.strerror})") from None
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
@@ -275,7 +282,7 @@ def _run_fetch(args: argparse.Namespace) -> int:
         endpoint=args.endpoint or default_endpoint.get(args.source, ""), manifest_url=args.manifest_url,
         local_path=args.local_path, verify=args.verify, reverify=args.reverify, headroom=args.headroom,
         retries=args.retries, progress_file=args.progress_file,
-        token=sys.stdin.readline().strip() if args.token_stdin else weights.token_from_env(args.source),
+        token=_read_token(args.token_file) if args.token_file else weights.token_from_env(args.source),
     )
     if args.check:
         request.validate()

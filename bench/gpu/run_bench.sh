@@ -11,6 +11,10 @@
 #   vllm-default   `vllm serve` with vLLM's defaults (same model name, port, max-model-len)
 #   kimi-chat | kimi-shared-prefix | kimi-latency
 #                  `kimi-service serve` with the planner's flags for that workload
+#   agreement      `vllm serve` with defaults, then kimi-service bench and vllm bench serve alternating
+#                  on it (scripts/compare_vllm_bench.py; AGREE_* knobs)
+#   kv-chat        `kimi-service serve` for chat: the KV-cache prediction vs vLLM's figure, no sweep
+#                  (with SHAPE=llama-3.1-70b-16l, the second shape's check)
 #   A = model facts naive vllm-default      B = kimi-chat kimi-shared-prefix kimi-latency
 # Every vLLM configuration is swept twice: plain prompts, then behind one shared system prompt.
 set -euo pipefail
@@ -30,6 +34,9 @@ PREFIX_LEN=${PREFIX_LEN:-2000}
 NAIVE_CONCURRENCY=${NAIVE_CONCURRENCY:-1,4,16}
 NAIVE_PROMPTS=${NAIVE_PROMPTS:-4}
 SLO=${SLO:-ttft=1,itl=0.1}
+AGREE_CONCURRENCY=${AGREE_CONCURRENCY:-1,4,16,64}
+AGREE_PROMPTS=${AGREE_PROMPTS:-32}
+AGREE_REPEATS=${AGREE_REPEATS:-2}
 HEALTH_WAIT=${HEALTH_WAIT:-300}
 # cuda on the device; cpu lets the script itself be tried on a machine with the CPU engine.
 ENGINE=${ENGINE:-cuda}
@@ -193,8 +200,23 @@ section_vllm_default() {
     cp "$logfile" "$RESULTS/"
 }
 
-section_kimi() {  # WORKLOAD
-    local workload=$1 config="kimi-$1"
+section_agreement() {
+    local logfile="$KIMI_WORK/logs/agreement.log" vllm=(vllm serve)
+    [[ -z $VLLM_SERVE ]] || read -ra vllm <<< "$VLLM_SERVE"
+    log "agreement: kimi-service bench and vllm bench serve, alternating, against vLLM's defaults"
+    start_server "$logfile" "${vllm[@]}" "$MODEL_DIR" --served-model-name "$SERVED" --port "$PORT" \
+        --max-model-len "$MAX_LEN"
+    wait_healthy "$logfile"
+    "$PYTHON" "$KIMI_REPO/scripts/compare_vllm_bench.py" --url "$URL" --model "$SERVED" --tokenizer "$MODEL_DIR" \
+        --concurrency "$AGREE_CONCURRENCY" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+        --prompts "$AGREE_PROMPTS" --repeats "$AGREE_REPEATS" --json "$RESULTS/agreement-$SHAPE.json" \
+        | tee "$RESULTS/agreement-$SHAPE.md"
+    stop_server
+}
+
+section_kimi() {  # WORKLOAD [SWEEP: yes|no]
+    local workload=$1 sweep_too=${2:-yes} config="kimi-$1"
+    [[ $SHAPE == llama-3.1-8b ]] || config="kimi-$1-$SHAPE"
     local logfile="$KIMI_WORK/logs/$config.log" conf="$KIMI_WORK/$config.yaml" plan="$RESULTS/plan-$config.json"
     log "$config: kimi-service serve with the planner's flags for workload $workload"
     local extra_args="[]"
@@ -229,8 +251,10 @@ YAML
     start_server "$logfile" env -u NOTIFY_SOCKET "$PYTHON" -m kimi_service serve --config "$conf"
     wait_healthy "$logfile"
     record_kv "$config" "$logfile" "$plan"
-    sweep "$config" "$CONCURRENCY" "$PROMPTS" 0
-    sweep "$config" "$CONCURRENCY" "$PROMPTS" "$PREFIX_LEN"
+    if [[ $sweep_too == yes ]]; then
+        sweep "$config" "$CONCURRENCY" "$PROMPTS" 0
+        sweep "$config" "$CONCURRENCY" "$PROMPTS" "$PREFIX_LEN"
+    fi
     stop_server
     cp "$logfile" "$RESULTS/"
 }
@@ -246,6 +270,8 @@ run_section() {
             facts) section_facts ;;
             naive) section_naive ;;
             vllm-default) section_vllm_default ;;
+            agreement) section_agreement ;;
+            kv-chat) section_kimi chat no ;;
             kimi-*) section_kimi "${section#kimi-}" ;;
         esac
     )
@@ -266,10 +292,12 @@ for arg in "$@"; do
     case $arg in
         A) sections+=(model facts naive vllm-default) ;;
         B) sections+=(kimi-chat kimi-shared-prefix kimi-latency) ;;
-        model | facts | naive | vllm-default | kimi-chat | kimi-shared-prefix | kimi-latency) sections+=("$arg") ;;
+        model | facts | naive | vllm-default | agreement | kv-chat | kimi-chat | kimi-shared-prefix | kimi-latency)
+            sections+=("$arg")
+            ;;
         *)
             echo "error: unknown section '$arg'; choose from A, B, model, facts, naive, vllm-default," \
-                "kimi-chat, kimi-shared-prefix, kimi-latency" >&2
+                "agreement, kv-chat, kimi-chat, kimi-shared-prefix, kimi-latency" >&2
             exit 2
             ;;
     esac

@@ -18,14 +18,11 @@ import testinfra
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import _ssh_keypair, write_inventory
+from tests.support.cpu_site import API_KEY, HF_TOKEN, REPO, SERVED, cpu_site_vars
+from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
-from tests.support.wheelhouse import ensure_cpu_wheelhouse, wheelhouse_vars
 
-REPO = "kimi-test/tiny-llama"
-SERVED = "kimi-tiny"
-API_KEY = "sk-kimi-e2e-4b1d9e0c7a"
-HF_TOKEN = "hf_e2e_token_5f3a8c2e91"
 WATCHDOG_SEC = 20
 
 
@@ -36,7 +33,7 @@ def host(make_hosts):
 
 @pytest.fixture(scope="module")
 def gateway(host) -> str:
-    return host.address.rsplit(".", 1)[0] + ".1"
+    return gateway_of(host)
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +44,7 @@ def hub(gateway):
 
 @pytest.fixture(scope="module")
 def site_vars(hub, gateway) -> dict:
-    return {
-        **wheelhouse_vars(ensure_cpu_wheelhouse()),
-        "kimi_model": REPO,
-        "kimi_hf_endpoint": hub.url,
-        "kimi_hf_token": HF_TOKEN,
-        "kimi_served_model_name": SERVED,
-        "kimi_api_key": API_KEY,
-        "kimi_vllm_extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"],
-        "kimi_vllm_watchdog_sec": WATCHDOG_SEC,
-        "kimi_firewall_allowed_cidrs": [f"{gateway}/32"],
-    }
+    return {**cpu_site_vars(hub.url, gateway), "kimi_vllm_watchdog_sec": WATCHDOG_SEC}
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +260,41 @@ def test_idempotence_check_catches_a_command_without_changed_when(first_converge
     assert all(run.returncode == 0 for run in runs), str(runs[-1])
     assert runs[1].changed == 1
     assert runs[1].changed_tasks() == ["Always changes"]
+
+
+def test_upgrade_with_nothing_new_passes_the_health_gate_and_restarts_nothing(first_converge, host, inventory):
+    before = _main_pid(host)
+    run = ansible_playbook("playbooks/upgrade.yml", inventory)
+    assert run.returncode == 0, str(run)
+    assert "Health gate" in run.output
+    assert _main_pid(host) == before
+
+
+def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inventory, site_vars, api):
+    venv = host.ssh("readlink /opt/kimi-service/venv").stdout.strip()
+    config = host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0]
+    broken = {"kimi_vllm_extra_args": [*site_vars["kimi_vllm_extra_args"], "--no-such-vllm-flag"]}
+    run = ansible_playbook("playbooks/upgrade.yml", inventory, extra_vars=broken)
+    assert run.returncode != 0
+    assert "it is back on" in run.output and "serving" in run.output
+    assert host.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
+    assert host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
+    assert host.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY)
+    reply = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert reply.choices[0].message is not None
+
+
+def test_uninstall_removes_everything_but_the_weights(first_converge, host, inventory):
+    """Last in this module: it takes the service away."""
+    run = ansible_playbook("playbooks/uninstall.yml", inventory)
+    assert run.returncode == 0, str(run)
+    for unit in ("kimi-vllm.service", "kimi-exporter.service", "kimi-health.timer", "kimi-firewall.service"):
+        assert host.ssh(f"systemctl cat {unit}", check=False).returncode != 0, f"{unit} is still installed"
+    for path in ("/opt/kimi-service", "/etc/kimi-service", "/etc/nftables.d/kimi-service.nft"):
+        assert host.ssh(f"test -e {path}", check=False).returncode != 0, f"{path} is still there"
+    assert host.ssh("nft list table inet kimi_service", check=False).returncode != 0, "the firewall table stayed"
+    assert host.ssh("ss -Hltn 'sport = :8000 or sport = :9400'").stdout.strip() == ""
+    assert host.ssh(f"test -f /var/lib/kimi-service/models/{REPO}@main/model.safetensors", check=False).returncode == 0
+    again = ansible_playbook("playbooks/uninstall.yml", inventory)
+    assert again.returncode == 0 and again.changed == 0, str(again)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 from pathlib import Path
@@ -200,15 +199,20 @@ def test_token_is_sent_and_a_missing_token_is_explained(model_dir, tmp_path):
     _same_tree(model_dir, tmp_path / "b")
 
 
-def test_cli_reads_the_token_from_standard_input(model_dir, tmp_path, monkeypatch, capsys):
-    """The weights role passes the token on stdin: not in argv, not in an environment -vvv would print."""
+def test_cli_reads_the_token_from_a_file(model_dir, tmp_path, monkeypatch, capsys):
+    """The weights role hands the token over in a root-only file: not in argv, not in an environment or
+    module arguments that -vvv would print."""
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    token_file = tmp_path / "token"
     with HubServer(root=model_dir, repo=REPO, token="hf_secret") as server:
-        base = ["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", server.url]
-        monkeypatch.setattr("sys.stdin", io.StringIO("hf_wrong\n"))
-        assert main([*base, "--token-stdin"]) != 0
-        monkeypatch.setattr("sys.stdin", io.StringIO("hf_secret\n"))
-        assert main([*base, "--token-stdin"]) == 0
+        base = ["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", server.url,
+                "--token-file", str(token_file)]
+        assert main(base) == 2
+        assert "cannot read it" in capsys.readouterr().err
+        token_file.write_text("hf_wrong\n")
+        assert main(base) != 0
+        token_file.write_text("hf_secret\n")
+        assert main(base) == 0
     assert "hf_secret" not in capsys.readouterr().out
 
 
