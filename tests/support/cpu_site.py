@@ -1,0 +1,36 @@
+"""What site.yml needs to converge test hosts on the real CPU engine: the tiny model served by the local
+hub server on the bridge's gateway, vLLM from the offline wheelhouse, a small engine, the API key.
+
+Shared by the tests that run the whole product (one host, replicas behind a load balancer).
+"""
+
+from __future__ import annotations
+
+from tests.hosts.nspawn import TestHost
+from tests.support.wheelhouse import ensure_cpu_wheelhouse, wheelhouse_vars
+
+REPO = "kimi-test/tiny-llama"
+SERVED = "kimi-tiny"
+API_KEY = "sk-kimi-e2e-4b1d9e0c7a"
+HF_TOKEN = "hf_e2e_token_5f3a8c2e91"
+# Small enough for several engines on a 2-core, 24 GiB CI machine: no compile step, a 256 MB KV cache.
+SMALL_ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]
+
+
+def gateway(host: TestHost) -> str:
+    """The controller's address on the bridge of a host in a network namespace of its own."""
+    return host.address.rsplit(".", 1)[0] + ".1"
+
+
+def cpu_site_vars(hub_url: str, controller: str) -> dict:
+    """Inventory variables for site.yml; `controller` is the address allowed through the firewall."""
+    return {
+        **wheelhouse_vars(ensure_cpu_wheelhouse()),
+        "kimi_model": REPO,
+        "kimi_hf_endpoint": hub_url,
+        "kimi_hf_token": HF_TOKEN,
+        "kimi_served_model_name": SERVED,
+        "kimi_api_key": API_KEY,
+        "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
+        "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
+    }
