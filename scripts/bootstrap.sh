@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-host_packages=(debootstrap systemd-container zstd iproute2 nftables openssh-client rsync apt-utils)
+# prometheus: its promtool checks and unit-tests the alert rules of monitoring/.
+host_packages=(debootstrap systemd-container zstd iproute2 nftables openssh-client rsync apt-utils prometheus)
 missing=()
 for pkg in "${host_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -18,6 +19,10 @@ if ((${#missing[@]})); then
     echo "bootstrap: installing host packages: ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # The tests need only Prometheus's binaries, not the daemon the package starts on this machine.
+    if [[ " ${missing[*]} " == *" prometheus "* ]] && [[ -d /run/systemd/system ]]; then
+        systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+    fi
 fi
 
 python=${KIMI_PYTHON:-python3}

@@ -493,17 +493,19 @@ class TestHost:
 
 
 def write_inventory(
-    path: Path, hosts: list[TestHost], group: str = "kimi_hosts", extra_vars: dict | None = None
+    path: Path, hosts: list[TestHost], group: str = "kimi_hosts", extra_vars: dict | None = None,
+    *, groups: dict[str, list[TestHost]] | None = None,
 ) -> Path:
-    """An Ansible inventory (YAML is a JSON superset) listing the hosts in `group`."""
+    """An Ansible inventory (YAML is a JSON superset) listing the hosts in `group`, and in the other
+    `groups` (a host may be in several); `extra_vars` apply to every host."""
+    members = {group: hosts, **(groups or {})}
     inventory = {
         "all": {
+            "vars": extra_vars or {},
             "children": {
-                group: {
-                    "hosts": {h.name: h.inventory_vars() for h in hosts},
-                    "vars": extra_vars or {},
-                }
-            }
+                name: {"hosts": {h.name: h.inventory_vars() for h in group_hosts}}
+                for name, group_hosts in members.items()
+            },
         }
     }
     path.write_text(json.dumps(inventory, indent=2))
