@@ -138,6 +138,9 @@ def _log_to_journal() -> None:
 
     # systemd's journal adds the time and unit; keep lines short.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # httpx logs every request at INFO: the supervisor's probes (and a leader's probes of its followers),
+    # every few seconds, would bury the engine's own lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _config_arg(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +198,7 @@ def _run_health(args: argparse.Namespace) -> int:
         timeout=cfg.health.timeout if cfg else 10.0,
         smoke=not args.no_smoke and (cfg.health.smoke if cfg else True),
         smoke_max_tokens=cfg.health.smoke_max_tokens if cfg else 4,
+        follower=bool(cfg and cfg.cluster and not cfg.cluster.is_leader and not args.url),
     )
     report = health.wait_for_health(target, args.wait, gpus=not args.no_gpu,
                                     expect_gpus=bool(cfg and cfg.plan.engine == "cuda"))
@@ -220,7 +224,8 @@ def _run_exporter(args: argparse.Namespace) -> int:
     cfg = config.load_config(args.config)
     target = health.Target(url=cfg.api.local_url, served_name=cfg.model.served_name,
                            api_key=os.environ.get("VLLM_API_KEY") or None, timeout=cfg.health.timeout,
-                           smoke=cfg.health.smoke, smoke_max_tokens=cfg.health.smoke_max_tokens)
+                           smoke=cfg.health.smoke, smoke_max_tokens=cfg.health.smoke_max_tokens,
+                           follower=bool(cfg.cluster and not cfg.cluster.is_leader))
     poller = exporter.HealthPoller(target, cfg.exporter.health_interval)
     collector = exporter.KimiCollector(nvml_module=None, plan_file=cfg.paths.plan_file, poller=poller)
     stop = threading.Event()

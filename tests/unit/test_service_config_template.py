@@ -70,3 +70,37 @@ def test_secrets_file_errors_are_clear(tmp_path):
     (bad := tmp_path / "bad.env").write_text("just words\n")
     with pytest.raises(ConfigError, match=r"bad\.env:1: expected KEY=value"):
         read_env_file(bad)
+
+
+def _cluster_render(host: str, **overrides) -> dict:
+    """config.yaml for `host` of a two-host group: the inventory's group order and host variables."""
+    hostvars = {"gpu-a": {"ansible_host": "10.0.0.1"},
+                "gpu-b": {"ansible_host": "203.0.113.7", "kimi_cluster_address": "10.0.0.2"}}
+    return _render(kimi_cluster_group="kimi_cluster", groups={"kimi_cluster": ["gpu-a", "gpu-b"]},
+                   hostvars=hostvars, inventory_hostname=host, **overrides)
+
+
+@pytest.mark.parametrize(("host", "rank"), [("gpu-a", 0), ("gpu-b", 1)])
+def test_a_cluster_host_gets_its_rank_and_the_groups_addresses_in_order(host, rank):
+    config = parse_config(_cluster_render(host))
+    assert config.cluster is not None
+    assert config.cluster.node_rank == rank
+    # kimi_cluster_address (a private network) beats ansible_host.
+    assert config.cluster.addresses == ("10.0.0.1", "10.0.0.2")
+    assert config.cluster.master_port == 29500 and config.plan.nodes == 2
+    assert dict(config.cluster.env) == {}
+
+
+def test_nccl_variables_reach_the_engine_environment():
+    config = parse_config(_cluster_render(
+        "gpu-a", kimi_nccl_socket_ifname="ens5", kimi_nccl_ib_disable=True,
+        kimi_nccl_extra_env={"NCCL_DEBUG": "WARN"}, kimi_cluster_master_port=29600,
+    ))
+    assert dict(config.cluster.env) == {"NCCL_SOCKET_IFNAME": "ens5", "GLOO_SOCKET_IFNAME": "ens5",
+                                        "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
+    assert config.cluster.master_port == 29600
+
+
+def test_a_host_outside_the_group_serves_alone():
+    assert parse_config(_cluster_render("gpu-c")).cluster is None
+    assert "cluster" not in _render()
