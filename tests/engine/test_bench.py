@@ -191,9 +191,14 @@ def test_playbook_runs_the_sweep_and_fetches_the_results(served: Served, tmp_pat
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(yaml.safe_dump({"all": {"children": {"kimi_hosts": {"hosts": {"benchhost": {
         "ansible_connection": "local", "ansible_python_interpreter": "{{ ansible_playbook_python }}"}}}}}}))
+    # The key reaches the sweep from the host's secrets file, as the service role writes it.
+    config_dir = tmp_path / "etc"
+    config_dir.mkdir()
+    (config_dir / "secrets.env").write_text(f'VLLM_API_KEY="{served.api_key}"\n')
     scratch_before = set(Path("/tmp").glob("kimi-bench-*"))
     run = ansible_playbook("playbooks/bench.yml", inventory, extra_vars={
-        "kimi_install_dir": str(install_dir), "kimi_api_port": int(served.url.rsplit(":", 1)[1]),
+        "kimi_install_dir": str(install_dir), "kimi_config_dir": str(config_dir),
+        "kimi_api_port": int(served.url.rsplit(":", 1)[1]),
         "kimi_model_dir": _model_dir(served), "kimi_served_model_name": SERVED_NAME,
         "kimi_api_key": served.api_key, "kimi_bench_results_dir": str(results),
         "kimi_bench_concurrency": "1,2", "kimi_bench_prompts": 2, "kimi_bench_input_len": 16,
