@@ -198,9 +198,9 @@ def test_stopping_a_replica_keeps_requests_succeeding(converge, balancer, replic
         stopped.ssh("systemctl stop kimi-vllm", timeout=120)
         _wait_state(balancer, stopped.name, "DOWN")
         loop.wait_served(10)
-        # Judged before the restart: an engine start on a loaded 2-core machine can take minutes.
+        # Judged before the restart: an engine start on a loaded 2-core machine can take minutes (CI budget: 5).
         assert loop.errors == [], loop.report(balancer)
-        stopped.ssh("systemctl start kimi-vllm", timeout=1200)
+        stopped.ssh("systemctl start kimi-vllm", timeout=300)
         balancer.ssh(f"kimi-balancer wait-up {stopped.name} 120", timeout=180)
         loop.wait_served(4)
     assert loop.errors == [], loop.report(balancer)
