@@ -186,13 +186,18 @@ PY
     cat "$RESULTS/kv-$config.json"
 }
 
-section_vllm_default() {
-    local logfile="$KIMI_WORK/logs/vllm-default.log" vllm=(vllm serve)
+start_vllm_defaults() {  # LOGFILE: `vllm serve` with nothing but the name, port and context length
+    local logfile=$1 vllm=(vllm serve)
     [[ -z $VLLM_SERVE ]] || read -ra vllm <<< "$VLLM_SERVE"
-    log "vllm-default: vllm serve with vLLM's own defaults (gpu-memory-utilization 0.9, prefix caching on)"
     start_server "$logfile" "${vllm[@]}" "$MODEL_DIR" --served-model-name "$SERVED" --port "$PORT" \
         --max-model-len "$MAX_LEN"
     wait_healthy "$logfile"
+}
+
+section_vllm_default() {
+    local logfile="$KIMI_WORK/logs/vllm-default.log"
+    log "vllm-default: vllm serve with vLLM's own defaults (gpu-memory-utilization 0.9, prefix caching on)"
+    start_vllm_defaults "$logfile"
     record_kv vllm-default "$logfile"
     sweep vllm-default "$CONCURRENCY" "$PROMPTS" 0
     sweep vllm-default "$CONCURRENCY" "$PROMPTS" "$PREFIX_LEN"
@@ -201,12 +206,8 @@ section_vllm_default() {
 }
 
 section_agreement() {
-    local logfile="$KIMI_WORK/logs/agreement.log" vllm=(vllm serve)
-    [[ -z $VLLM_SERVE ]] || read -ra vllm <<< "$VLLM_SERVE"
     log "agreement: kimi-service bench and vllm bench serve, alternating, against vLLM's defaults"
-    start_server "$logfile" "${vllm[@]}" "$MODEL_DIR" --served-model-name "$SERVED" --port "$PORT" \
-        --max-model-len "$MAX_LEN"
-    wait_healthy "$logfile"
+    start_vllm_defaults "$KIMI_WORK/logs/agreement.log"
     "$PYTHON" "$KIMI_REPO/scripts/compare_vllm_bench.py" --url "$URL" --model "$SERVED" --tokenizer "$MODEL_DIR" \
         --concurrency "$AGREE_CONCURRENCY" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         --prompts "$AGREE_PROMPTS" --repeats "$AGREE_REPEATS" --json "$RESULTS/agreement-$SHAPE.json" \
