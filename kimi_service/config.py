@@ -73,12 +73,19 @@ class PathsConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Supervisor timings, in seconds."""
+    """The supervisor: timings in seconds, and its readiness endpoint for load balancers.
+
+    `ready_port` (0: none) answers GET /ready with 200 only while the engine takes requests; on SIGTERM
+    it turns 503 at once, and the engine keeps serving for `withdraw_delay` seconds (long enough for the
+    balancers' checks to take the node out) before in-flight requests are drained and vLLM is stopped.
+    """
 
     startup_timeout: float = 3600.0
     drain_timeout: float = 30.0
     stop_timeout: float = 30.0
     probe_interval: float = 5.0
+    ready_port: int = 0
+    withdraw_delay: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -353,6 +360,8 @@ def parse_config(data: Any) -> Config:
         drain_timeout=s.number("drain_timeout", ServeConfig.drain_timeout, 0),
         stop_timeout=s.number("stop_timeout", ServeConfig.stop_timeout, 1),
         probe_interval=s.number("probe_interval", ServeConfig.probe_interval, 0.1),
+        ready_port=s.integer("ready_port", ServeConfig.ready_port, 0, 65535),
+        withdraw_delay=s.number("withdraw_delay", ServeConfig.withdraw_delay, 0),
     )
     s.finish()
 
@@ -375,9 +384,12 @@ def parse_config(data: Any) -> Config:
     top.finish()
     if exporter.port == api.port:
         raise ConfigError(f"exporter.port: {exporter.port} is also api.port; give the exporter its own port")
+    if serve.ready_port in (api.port, exporter.port):
+        raise ConfigError(f"serve.ready_port: {serve.ready_port} is also the api or exporter port; readiness "
+                          "needs a port of its own (or 0 for none)")
     if cluster:
-        if cluster.master_port in (api.port, exporter.port):
-            raise ConfigError(f"cluster.master_port: {cluster.master_port} is also the api or exporter port; "
+        if cluster.master_port in (api.port, exporter.port, serve.ready_port):
+            raise ConfigError(f"cluster.master_port: {cluster.master_port} is also the api, exporter or ready port; "
                               "the rendezvous needs a port of its own")
         if p.has("nodes") and plan.nodes != cluster.nodes:
             raise ConfigError(f"plan.nodes: {plan.nodes}, but cluster.addresses lists {cluster.nodes} nodes; "

@@ -1,9 +1,12 @@
 """`kimi-service serve`: plan, start vLLM as a child, tell systemd when it can really answer.
 
 READY=1 goes out only once /health answers 200 and /v1/models lists the served name; WATCHDOG=1
-only while /health keeps answering, so systemd restarts a hung engine. SIGTERM drains in-flight
-requests for a bounded time (vLLM's --shutdown-timeout), then stops the engine and exits 0; an
-engine that dies on its own makes serve exit non-zero with the engine's status in the journal.
+only while /health keeps answering, so systemd restarts a hung engine. On SIGTERM, serve's own /ready
+(serve.ready_port, what load balancers check) turns 503 at once; vLLM keeps serving for
+serve.withdraw_delay while the balancers take the node out, then until the requests in flight are done
+(at most serve.drain_timeout); only then does vLLM get its SIGTERM (it drains whatever is left for its
+--shutdown-timeout), and serve exits 0. An engine that dies on its own makes serve exit non-zero with
+the engine's status in the journal.
 
 Several nodes, one engine (config `cluster`): systemd cannot order units across hosts, so the nodes
 watch each other over HTTP. A follower runs vLLM headless and answers /health on the API port while its
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
@@ -315,13 +318,43 @@ class FollowerStatus:
         return (200 if running else 503), body
 
 
-def status_server(host: str, port: int, status: FollowerStatus) -> ThreadingHTTPServer:
+class Readiness:
+    """What GET /ready answers on serve.ready_port: 200 only while this node takes new requests.
+
+    vLLM's own /health cannot tell a balancer to stop sending: it answers 200 until the engine is gone
+    (measured on 0.32: for its whole shutdown, while new requests get 500). This one turns 503 the moment
+    SIGTERM arrives, while the engine still serves what is in flight.
+    """
+
+    def __init__(self) -> None:
+        self.state = "starting"
+
+    def set(self, state: str) -> None:
+        if self.state != "draining":  # once stopping, nothing brings the node back
+            self.state = state
+
+    def document(self) -> tuple[int, dict[str, Any]]:
+        return (200 if self.state == "ready" else 503), {"ready": self.state == "ready", "state": self.state}
+
+
+def status_server(host: str, port: int, path: str, document: Callable[[], tuple[int, dict[str, Any]]],
+                  not_found: str) -> ThreadingHTTPServer:
+    """A JSON status page on GET `path` (every other path gets 404 with `not_found`), in a thread."""
+
     class Handler(BaseHTTPRequestHandler):
+        # Buffered, so the status line, headers and body leave in one write: HAProxy resets a check's
+        # connection as soon as it has read the status, and a body sent after that would fail.
+        wbufsize = 1 << 16
+
+        def handle(self) -> None:
+            with contextlib.suppress(ConnectionError):  # a checker that hung up is not our error
+                super().handle()
+
         def do_GET(self) -> None:
-            if self.path.split("?")[0] != "/health":
-                self.send_error(404, "a follower node serves no API; ask the leader")
+            if self.path.split("?")[0] != path:
+                self.send_error(404, not_found)
                 return
-            code, body = status.document()
+            code, body = document()
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -330,14 +363,23 @@ def status_server(host: str, port: int, status: FollowerStatus) -> ThreadingHTTP
             self.wfile.write(data)
 
         def log_message(self, format: str, *args: Any) -> None:
-            pass  # the leader probes every few seconds: not worth a journal line each
+            pass  # probed every few seconds: not worth a journal line each
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # Reuse: systemd restarts a failed follower 15 s later, while its old socket may sit in TIME_WAIT.
+    # Reuse: systemd restarts a failed unit 15 s later, while its old socket may sit in TIME_WAIT.
     server_class = type("StatusServer", (ThreadingHTTPServer,), {"address_family": family, "allow_reuse_address": True})
     server = server_class((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="follower-status", daemon=True).start()
+    threading.Thread(target=server.serve_forever, name=f"status{path}", daemon=True).start()
     return server
+
+
+def requests_in_flight(metrics_text: str) -> int | None:
+    """Requests vLLM is running or has queued, from its /metrics; None when it does not say."""
+    found = None
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            found = (found or 0) + int(sum(sample.value for sample in family.samples))
+    return found
 
 
 class FollowerWatch:
@@ -418,9 +460,11 @@ class Supervisor:
         self.followers = (FollowerWatch(cluster, config.api.port, self.probe_timeout)
                           if cluster and cluster.is_leader else None)
         self.status = FollowerStatus(cluster) if cluster and not cluster.is_leader else None
+        self.readiness = Readiness()
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         log.info("received %s: draining", signal.Signals(signum).name)
+        self.readiness.set("draining")
         self.stopping.set()
 
     def _healthy(self, client: httpx.Client) -> bool:
@@ -446,19 +490,40 @@ class Supervisor:
         write_plan(self.config.paths.plan_file, self.launch.plan_document)
         if self.status:
             return self._run_follower()
-        with httpx.Client() as client:
+        with httpx.Client() as client, self._readiness_server():
             if self.followers and not self._wait_followers(client):
                 return 0
             self._spawn()
             try:
                 if self._wait_ready(client):
                     kv = self._record_measured_kv(client)
+                    self.readiness.set("ready")
                     self.notifier.notify(READY=1, STATUS=f"ready: {self.config.model.served_name}, {kv} KV tokens")
                     log.info("vLLM ready on %s", self.url)
                     self._supervise(client)
+                    self._withdraw_and_drain(client)
             finally:
+                self.readiness.set("draining")
                 self._stop_engine()
         return 0
+
+    @contextlib.contextmanager
+    def _readiness_server(self) -> Iterator[None]:
+        port = self.config.serve.ready_port
+        if not port:
+            yield
+            return
+        try:
+            server = status_server(self.config.api.host, port, "/ready", self.readiness.document,
+                                   f"only /ready is here; the API is on port {self.config.api.port}")
+        except OSError as exc:
+            raise EngineFailed(f"cannot answer /ready on {self.config.api.host}:{port} (serve.ready_port): "
+                               f"{exc.strerror}", 1) from None
+        try:
+            yield
+        finally:
+            server.shutdown()
+            server.server_close()
 
     def _spawn(self) -> None:
         log.info("starting vLLM: %s", " ".join(self.launch.argv))
@@ -488,7 +553,8 @@ class Supervisor:
         """Headless engine plus the /health the leader watches; READY once both are up."""
         assert self.status is not None and self.cluster is not None
         try:
-            server = status_server(self.config.api.host, self.config.api.port, self.status)
+            server = status_server(self.config.api.host, self.config.api.port, "/health", self.status.document,
+                                   "a follower node serves no API; ask the leader")
         except OSError as exc:
             raise EngineFailed(f"cannot answer /health on {self.config.api.host}:{self.config.api.port} for the "
                                f"leader: {exc.strerror}", 1) from None
@@ -582,19 +648,68 @@ class Supervisor:
                 self.followers.check(client)
             if self._healthy(client):
                 failures = 0
+                self.readiness.set("ready")
                 if self.watchdog:
                     self.notifier.notify(WATCHDOG=1)
             else:
                 failures += 1
+                self.readiness.set("engine not answering")
                 self.notifier.notify(STATUS=f"engine not answering /health ({failures} probes)")
                 log.warning("vLLM /health did not answer (%d in a row); withholding the watchdog ping", failures)
             self.stopping.wait(self.interval)
 
+    def _withdraw_and_drain(self, client: httpx.Client) -> None:
+        """After SIGTERM, while vLLM still serves: let the balancers see /ready fail, then wait for the
+        requests in flight, so that the engine's stop cuts none of them (vLLM's own shutdown drain then
+        has nothing left to do, and covers whatever outlived ours)."""
+        if not self.stopping.is_set():
+            return
+        serve = self.config.serve
+        end = time.monotonic() + serve.withdraw_delay
+        if serve.withdraw_delay:
+            self.notifier.notify(STOPPING=1, STATUS=f"withdrawing: /ready answers 503; serving "
+                                 f"{serve.withdraw_delay:.0f} s more while load balancers take this node out")
+            log.info("withdrawing from load balancers for %.0f s before draining", serve.withdraw_delay)
+        while time.monotonic() < end:
+            if not self._keep_alive():
+                return
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        deadline = time.monotonic() + serve.drain_timeout
+        while True:
+            try:
+                in_flight = requests_in_flight(client.get(f"{self.url}/metrics", timeout=self.probe_timeout).text)
+            except httpx.HTTPError:
+                in_flight = -1  # a busy engine may answer slowly: unknown is not idle
+            except ValueError:
+                return  # no metrics to go by: vLLM's own shutdown drain is all there is
+            if in_flight == 0 or in_flight is None:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("%d requests still in flight after %.0f s (serve.drain_timeout); vLLM's shutdown drains "
+                            "them for its --shutdown-timeout", in_flight, serve.drain_timeout)
+                return
+            count = "unknown (no answer from /metrics)" if in_flight < 0 else in_flight
+            self.notifier.notify(STOPPING=1, STATUS=f"draining: {count} requests in flight")
+            if not self._keep_alive():
+                return
+            time.sleep(0.5)
+
+    def _keep_alive(self) -> bool:
+        """While a stop drains: False once vLLM is gone (nothing left to wait for), else ping the
+        watchdog (the engine is busy finishing work, not hung) and return True."""
+        assert self.child is not None
+        if self.child.poll() is not None:
+            return False
+        if self.watchdog:
+            self.notifier.notify(WATCHDOG=1)
+        return True
+
     def _stop_engine(self) -> None:
-        """SIGTERM (vLLM drains for --shutdown-timeout), then SIGKILL to whatever is left of its group."""
+        """SIGTERM (vLLM drains what is left for --shutdown-timeout), then SIGKILL to whatever is left of
+        its group."""
         assert self.child is not None
         if self.child.poll() is None:
-            self.notifier.notify(STOPPING=1, STATUS="draining in-flight requests, then stopping vLLM")
+            self.notifier.notify(STOPPING=1, STATUS="stopping vLLM")
             self.child.send_signal(signal.SIGTERM)
         budget = self.config.serve.drain_timeout + self.config.serve.stop_timeout
         try:

@@ -24,6 +24,7 @@ from tests.support.tiny_model import SERVED_NAME
 READY_TIMEOUT = 240.0
 # systemd's WatchdogSec=4 -> serve pings every 2 s at most, every probe (1 s) while healthy.
 WATCHDOG_USEC = 4_000_000
+WITHDRAW_DELAY = 3
 
 
 class NotifyRecorder:
@@ -88,6 +89,11 @@ class Served:
         assert len(children) == 1, children
         return int(children[0])
 
+    @property
+    def ready_url(self) -> str:
+        port = yaml.safe_load(self.config_path.read_text())["serve"]["ready_port"]
+        return f"http://127.0.0.1:{port}/ready"
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -119,7 +125,9 @@ def write_config(directory: Path, model: Path, port: int, state_dir: Path, **ove
         # A 256 MiB KV cache and eager mode keep memory ~2 GB and the start near 40 s.
         "plan": {"engine": "cpu", "extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]},
         "paths": {"state_dir": str(state_dir), "plan_file": str(directory / "run" / "plan.json")},
-        "serve": {"probe_interval": 1, "drain_timeout": 20, "stop_timeout": 20},
+        # /ready for load balancers; a stop keeps serving 3 s after /ready turns 503.
+        "serve": {"probe_interval": 1, "drain_timeout": 20, "stop_timeout": 20, "ready_port": free_port(),
+                  "withdraw_delay": WITHDRAW_DELAY},
         "health": {"timeout": 20},
         "exporter": {"host": "127.0.0.1", "port": free_port(), "health_interval": 2},
     }

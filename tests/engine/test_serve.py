@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.serving import Served, start_serve, wait_ready
+from tests.engine.serving import WITHDRAW_DELAY, Served, start_serve, wait_ready
 from tests.support.tiny_model import SERVED_NAME
 
 pytestmark = pytest.mark.slow
@@ -198,19 +198,24 @@ def test_watchdog_pings_stop_while_the_engine_is_frozen(served: Served) -> None:
         time.sleep(0.2)
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(served: Served) -> None:
-    """Runs last in this module: it ends the shared engine."""
+def test_sigterm_withdraws_then_drains_in_flight_requests_then_exits_0(served: Served) -> None:
+    """Runs last in this module: it ends the shared engine.
+
+    What a load balancer needs from a stopping replica: /ready fails at once, the engine still answers
+    what reaches it until the balancer has noticed, and a stream already running is finished before
+    vLLM itself is told to stop."""
+    assert httpx.get(served.ready_url, timeout=5).json() == {"ready": True, "state": "ready"}
     outcome: dict[str, object] = {}
     first_token = threading.Event()
     chunk_times: list[float] = []
+    headers = {"Authorization": f"Bearer {served.api_key}"}
 
     def stream() -> None:
-        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 400,
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 1500,
                 "ignore_eos": True, "stream": True}
         tokens = 0
-        headers = {"Authorization": f"Bearer {served.api_key}"}
         with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, headers=headers,
-                          timeout=60) as response:
+                          timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     choice = json.loads(line[6:])["choices"][0]
@@ -226,15 +231,28 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(served: Served) -> None:
     assert first_token.wait(30), "the streamed request never started"
     sent = time.monotonic()
     served.process.send_signal(signal.SIGTERM)
-    code = served.process.wait(timeout=60)
+    deadline = sent + 2
+    while (ready := httpx.get(served.ready_url, timeout=2)).status_code != 503:
+        assert time.monotonic() < deadline, f"/ready still answers {ready.status_code} after SIGTERM"
+        time.sleep(0.05)
+    assert ready.json() == {"ready": False, "state": "draining"}
+    # A request from a balancer that has not noticed yet is still served.
+    late = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert late.status_code == 200, late.text
+    code = served.process.wait(timeout=90)
     elapsed = time.monotonic() - sent
     client.join(timeout=30)
     assert code == 0, served.log()[-4000:]
     assert outcome.get("finish_reason") == "length", (outcome, served.log()[-4000:])
-    # The request was still generating when SIGTERM arrived, and it finished anyway.
     assert len([t for t in chunk_times if t > sent]) >= 10, (len(chunk_times), outcome)
-    assert elapsed < 20 + 20 + 5  # drain_timeout + stop_timeout, with room for the exit itself
-    assert "STOPPING" in {k for _, f in served.notify.messages for k in f}
+    statuses = served.notify.statuses()
+    assert any(s.startswith("withdrawing: /ready answers 503") for s in statuses), statuses
+    # vLLM was told to stop only once the stream had its last token.
+    stopping_vllm = [t for t, f in served.notify.messages if f.get("STATUS") == "stopping vLLM"]
+    assert stopping_vllm and stopping_vllm[0] >= chunk_times[-1] - 0.2, (stopping_vllm, chunk_times[-1])
+    assert stopping_vllm[0] - sent >= WITHDRAW_DELAY
+    assert elapsed < WITHDRAW_DELAY + 20 + 20 + 20 + 5  # withdraw + our drain + vLLM's + stop, and the exit
     down = served.kimi("health", "--url", served.url, "--no-gpu")
     assert down.returncode == 2, down.stdout
 

@@ -31,7 +31,7 @@ def test_full_config_round_trips() -> None:
         "plan": {"engine": "cpu", "workload": "latency", "max_model_len": 4096, "nodes": 2,
                  "extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]},
         "paths": {"state_dir": "/srv/k", "plan_file": "/tmp/plan.json"},
-        "serve": {"drain_timeout": 5, "probe_interval": 0.5},
+        "serve": {"drain_timeout": 5, "probe_interval": 0.5, "ready_port": 18001, "withdraw_delay": 3},
         "health": {"smoke": False},
         "exporter": {"port": 19400},
     })
@@ -39,6 +39,7 @@ def test_full_config_round_trips() -> None:
     assert cfg.plan.max_model_len == 4096
     assert cfg.paths.cache_dir == Path("/srv/k/cache")  # follows state_dir unless set
     assert cfg.serve.drain_timeout == 5.0
+    assert (cfg.serve.ready_port, cfg.serve.withdraw_delay) == (18001, 3.0)
     assert cfg.health.smoke is False
 
 
@@ -62,6 +63,8 @@ def test_full_config_round_trips() -> None:
         ({**MINIMAL, "api": "localhost"}, "api: expected a mapping of keys, got a string"),
         ({**MINIMAL, "api": {"host": "http://x"}}, "api.host: 'http://x' is not an IP address or host name"),
         ({**MINIMAL, "exporter": {"port": 8000}}, "exporter.port: 8000 is also api.port"),
+        ({**MINIMAL, "serve": {"ready_port": 9400}}, "serve.ready_port: 9400 is also the api or exporter port"),
+        ({**MINIMAL, "serve": {"withdraw_delay": -1}}, "serve.withdraw_delay: -1 is too small; use >= 0"),
         (["model"], "the top level: expected a mapping"),
         ({**MINIMAL, "paths": {"state_dir": "/" + "d" * 80}}, "paths.tmp_dir: '/ddd"),
     ],

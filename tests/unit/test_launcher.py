@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,68 @@ def test_measured_kv_tokens_are_blocks_times_block_size() -> None:
     unknown = VLLM_METRICS.replace('num_gpu_blocks="1024"', 'num_gpu_blocks="None"')
     assert launcher.kv_tokens_from_metrics(unknown) is None
     assert launcher.kv_tokens_from_metrics("# nothing here\n") is None
+
+
+def test_requests_in_flight_counts_running_and_waiting_over_every_engine() -> None:
+    busy = VLLM_METRICS.replace('model_name="kimi-tiny"} 0.0', 'model_name="kimi-tiny"} 2.0') + (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="kimi-tiny"} 1.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="kimi-tiny"} 3.0\n'
+    )
+    assert launcher.requests_in_flight(busy) == 6
+    assert launcher.requests_in_flight(VLLM_METRICS) == 0
+    assert launcher.requests_in_flight("# nothing here\n") is None
+
+
+def test_readiness_turns_503_for_good_once_draining() -> None:
+    readiness = launcher.Readiness()
+    assert readiness.document() == (503, {"ready": False, "state": "starting"})
+    readiness.set("ready")
+    assert readiness.document() == (200, {"ready": True, "state": "ready"})
+    readiness.set("engine not answering")
+    assert readiness.document()[0] == 503
+    readiness.set("draining")
+    readiness.set("ready")  # a probe that still passes during the stop must not bring it back
+    assert readiness.document() == (503, {"ready": False, "state": "draining"})
+
+
+@contextlib.contextmanager
+def _ready_server(readiness: launcher.Readiness) -> Iterator[int]:
+    """serve's /ready on a free local port, for the length of the block."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = launcher.status_server("127.0.0.1", port, "/ready", readiness.document, "only /ready is here")
+    try:
+        yield port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_status_server_answers_its_path_over_http() -> None:
+    import httpx
+
+    readiness = launcher.Readiness()
+    with _ready_server(readiness) as port:
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 503
+        readiness.set("ready")
+        answer = httpx.get(f"http://127.0.0.1:{port}/ready?from=haproxy", timeout=5)
+        assert (answer.status_code, answer.json()) == (200, {"ready": True, "state": "ready"})
+        other = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+        assert other.status_code == 404 and "only /ready is here" in other.text
+
+
+def test_a_checker_that_resets_the_connection_is_not_logged_as_an_error(capfd) -> None:
+    """What HAProxy does after it read a check's status line: close with RST (SO_LINGER 0)."""
+    import struct
+
+    with _ready_server(launcher.Readiness()) as port:
+        for _ in range(20):
+            checker = socket.create_connection(("127.0.0.1", port), timeout=5)
+            checker.sendall(b"GET /ready HTTP/1.0\r\n\r\n")
+            answer = checker.recv(12)
+            checker.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            checker.close()
+            assert answer == b"HTTP/1.0 503"
+    assert "Traceback" not in capfd.readouterr().err

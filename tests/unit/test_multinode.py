@@ -73,7 +73,7 @@ def test_a_cluster_section_sets_the_nodes_and_names_the_leader():
         ({"addresses": ["10.0.0.1", "a b"]}, {}, "cluster.addresses[1]: 'a b' is not an IP address"),
         ({"node_rank": 2}, {}, "cluster.node_rank: expected this node's index in addresses (0 to 1)"),
         ({"node_rank": None}, {}, "cluster.node_rank"),
-        ({"master_port": 8000}, {}, "cluster.master_port: 8000 is also the api or exporter port"),
+        ({"master_port": 8000}, {}, "cluster.master_port: 8000 is also the api, exporter or ready port"),
         ({"env": {"PATH": "/tmp"}}, {}, "cluster.env.PATH: only the collective libraries' variables"),
         ({"env": {"NCCL_DEBUG": True}}, {}, "cluster.env.NCCL_DEBUG: expected a string or integer"),
         ({"leader": "x"}, {}, "cluster.leader: unknown key"),
@@ -147,7 +147,7 @@ def test_the_leader_watches_its_followers_health_and_instance():
     watch = launcher.FollowerWatch(cluster, port, timeout=2)
     with httpx.Client() as client:
         assert watch.waiting_for(client) == ["node 1 (127.0.0.1): not answering (ConnectError)"]
-        server = launcher.status_server("127.0.0.1", port, status)
+        server = launcher.status_server("127.0.0.1", port, "/health", status.document, "no API")
         try:
             assert watch.waiting_for(client) == ["node 1 (127.0.0.1): engine not started (HTTP 503)"]
             status.engine_pid = 4242

@@ -20,7 +20,9 @@ def _render(**overrides) -> dict:
     values: dict = {}
     for path in ("kimi_common/defaults/main.yml", "vllm_service/defaults/main.yml", "vllm_service/vars/main.yml"):
         values.update(loader.load_from_file(str(ROLES / path), trusted_as_template=True))
-    values.update(ansible_managed="Ansible managed", _kimi_model_bytes=600 * 10**9, **overrides)
+    values.update(ansible_managed="Ansible managed", _kimi_model_bytes=600 * 10**9, inventory_hostname="gpu-1",
+                  groups={"all": ["gpu-1"], "kimi_hosts": ["gpu-1"]})
+    values.update(overrides)
     template = trust_as_template((ROLES / "vllm_service/templates/config.yaml.j2").read_text())
     return yaml.safe_load(Templar(loader=loader, variables=values).template(template))
 
@@ -45,6 +47,16 @@ def test_operator_values_reach_the_config():
     assert (config.plan.engine, config.plan.workload, config.plan.max_model_len) == ("cpu", "latency", 8192)
     assert config.plan.extra_args == ("--max-num-seqs", "64")
     assert config.api.port == 8080
+
+
+def test_readiness_port_everywhere_and_a_withdraw_window_only_behind_a_balancer():
+    alone = parse_config(_render())
+    assert (alone.serve.ready_port, alone.serve.withdraw_delay) == (8001, 0)
+    groups = {"kimi_hosts": ["gpu-1", "gpu-2"], "kimi_replicas": ["gpu-1", "gpu-2"], "kimi_balancer": ["lb"]}
+    replica = parse_config(_render(groups=groups, kimi_balancer_check_interval_sec=3))
+    # Two failed checks take it out (fall 2), one interval more for the check already under way.
+    assert replica.serve.withdraw_delay == 3 * (2 + 1)
+    assert parse_config(_render(groups=groups, kimi_vllm_withdraw_sec=20)).serve.withdraw_delay == 20
 
 
 def test_a_reserved_flag_in_extra_args_is_refused_by_the_schema():

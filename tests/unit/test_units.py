@@ -43,7 +43,10 @@ def test_vllm_unit_is_notify_with_watchdog_and_start_budget_grows_with_model(ins
     assert service["Restart"] == "on-failure"
     assert service["User"] == "kimi"
     assert service["TimeoutStartSec"] == "600"
-    assert service["TimeoutStopSec"] == "75"
+    # Our drain and vLLM's (30 s each), its stop (30 s) and 15 s to spare; a replica withdraws first.
+    assert service["TimeoutStopSec"] == "105"
+    replica = parse(render("kimi-vllm.service", variables(install_dir, kimi_vllm_withdraw_sec=6)))
+    assert replica["Service"]["TimeoutStopSec"] == "111"
     assert "--api-key" not in service["ExecStart"]
     big = parse(render("kimi-vllm.service", variables(install_dir, _kimi_model_bytes=600 * 10**9)))
     # 600 GB = 558 GiB -> 55 steps of 10 GiB at one minute each, on top of 5 minutes.
