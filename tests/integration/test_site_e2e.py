@@ -239,8 +239,8 @@ def test_host_state(first_converge, host):
         item = target.file(path)
         assert (item.mode, item.user, item.group) == (mode, owner, group), path
     assert target.file("/opt/kimi-service/venv").is_symlink
-    assert target.socket("tcp://0.0.0.0:8000").is_listening
-    assert target.socket("tcp://0.0.0.0:9400").is_listening
+    for port in (8000, 8001, 9400):  # the API, serve's /ready, the exporter
+        assert target.socket(f"tcp://0.0.0.0:{port}").is_listening, port
     vllm = target.service("kimi-vllm")
     assert vllm.is_running and vllm.is_enabled
     properties = target.check_output("systemctl show kimi-vllm -p Type -p NotifyAccess -p User -p Restart")
@@ -294,7 +294,7 @@ def test_uninstall_removes_everything_but_the_weights(first_converge, host, inve
     for path in ("/opt/kimi-service", "/etc/kimi-service", "/etc/nftables.d/kimi-service.nft"):
         assert host.ssh(f"test -e {path}", check=False).returncode != 0, f"{path} is still there"
     assert host.ssh("nft list table inet kimi_service", check=False).returncode != 0, "the firewall table stayed"
-    assert host.ssh("ss -Hltn 'sport = :8000 or sport = :9400'").stdout.strip() == ""
+    assert host.ssh("ss -Hltn 'sport = :8000 or sport = :8001 or sport = :9400'").stdout.strip() == ""
     assert host.ssh(f"test -f /var/lib/kimi-service/models/{REPO}@main/model.safetensors", check=False).returncode == 0
     again = ansible_playbook("playbooks/uninstall.yml", inventory)
     assert again.returncode == 0 and again.changed == 0, str(again)
