@@ -684,11 +684,11 @@ class Supervisor:
                 return  # no metrics to go by: vLLM's own shutdown drain is all there is
             if in_flight == 0 or in_flight is None:
                 return
+            count = "unknown (no answer from /metrics)" if in_flight < 0 else str(in_flight)
             if time.monotonic() >= deadline:
-                log.warning("%d requests still in flight after %.0f s (serve.drain_timeout); vLLM's shutdown drains "
-                            "them for its --shutdown-timeout", in_flight, serve.drain_timeout)
+                log.warning("requests in flight after %.0f s (serve.drain_timeout): %s; vLLM's shutdown drains them "
+                            "for its --shutdown-timeout", serve.drain_timeout, count)
                 return
-            count = "unknown (no answer from /metrics)" if in_flight < 0 else in_flight
             self.notifier.notify(STOPPING=1, STATUS=f"draining: {count} requests in flight")
             if not self._keep_alive():
                 return

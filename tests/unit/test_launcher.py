@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kimi_service import launcher
@@ -184,8 +188,6 @@ def _ready_server(readiness: launcher.Readiness) -> Iterator[int]:
 
 
 def test_status_server_answers_its_path_over_http() -> None:
-    import httpx
-
     readiness = launcher.Readiness()
     with _ready_server(readiness) as port:
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 503
@@ -209,3 +211,92 @@ def test_a_checker_that_resets_the_connection_is_not_logged_as_an_error(capfd) -
             checker.close()
             assert answer == b"HTTP/1.0 503"
     assert "Traceback" not in capfd.readouterr().err
+
+
+class _MetricsServer:
+    """Stands in for vLLM's /metrics: answers `text`, or nothing at all while `text` is None."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.text: str | None = VLLM_METRICS
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if outer.text is None:
+                    time.sleep(1.5)  # longer than the supervisor's probe timeout
+                    return
+                body = outer.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _draining_supervisor(port: int, drain_timeout: float) -> launcher.Supervisor:
+    config = parse_config({"model": {"path": "/m/tiny"}, "api": {"host": "127.0.0.1", "port": port},
+                           "serve": {"probe_interval": 1, "drain_timeout": drain_timeout, "withdraw_delay": 0.3}})
+    supervisor = launcher.Supervisor(config, launcher.Launch(argv=[], env={}, plan_document={}), Notifier(None), {})
+    supervisor.child = subprocess.Popen(["sleep", "60"])
+    supervisor.stopping.set()
+    return supervisor
+
+
+@pytest.mark.parametrize(
+    ("metrics", "at_least", "at_most"),
+    [
+        # Two requests running for a second, then none: the drain ends then, well before its bound.
+        ("busy-then-idle", 1.0, 2.5),
+        # /metrics does not answer (a busy engine): unknown is not idle, so the drain runs to its bound.
+        ("silent", 4.0, 6.5),
+        # No request metrics at all: nothing to wait for after the withdraw window.
+        ("no-series", 0.3, 1.0),
+    ],
+)
+def test_the_stop_waits_for_requests_in_flight_within_its_bound(metrics: str, at_least: float,
+                                                                at_most: float) -> None:
+    server = _MetricsServer()
+    busy = VLLM_METRICS.replace('model_name="kimi-tiny"} 0.0', 'model_name="kimi-tiny"} 2.0')
+    server.text = {"busy-then-idle": busy, "silent": None, "no-series": "# nothing here\n"}[metrics]
+    supervisor = _draining_supervisor(server.port, drain_timeout=4)
+    if metrics == "busy-then-idle":
+        threading.Timer(1.0, lambda: setattr(server, "text", VLLM_METRICS)).start()
+    started = time.monotonic()
+    try:
+        with httpx.Client() as client:
+            supervisor._withdraw_and_drain(client)
+        elapsed = time.monotonic() - started
+    finally:
+        assert supervisor.child is not None
+        supervisor.child.kill()
+        supervisor.child.wait()
+        server.close()
+    assert at_least <= elapsed <= at_most, elapsed
+
+
+def test_the_stop_stops_waiting_once_vllm_is_gone() -> None:
+    server = _MetricsServer()
+    server.text = VLLM_METRICS.replace('model_name="kimi-tiny"} 0.0', 'model_name="kimi-tiny"} 2.0')
+    supervisor = _draining_supervisor(server.port, drain_timeout=30)
+    assert supervisor.child is not None
+    threading.Timer(1.0, supervisor.child.kill).start()
+    started = time.monotonic()
+    try:
+        with httpx.Client() as client:
+            supervisor._withdraw_and_drain(client)
+    finally:
+        supervisor.child.wait()
+        server.close()
+    assert time.monotonic() - started < 5
