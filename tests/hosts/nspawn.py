@@ -345,6 +345,27 @@ class TestHost:
             shutil.copyfile(bundle, root / "etc/ssl/certs/ca-certificates.crt")
         (root / "etc/hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {self.name}\n")
 
+    def cgroups(self) -> list[Path]:
+        """This guest's own cgroup in each hierarchy a guest's systemd uses.
+
+        nspawn with --keep-unit puts the guest in a `payload` cgroup below the one it was started in.
+        Started from the same cgroup, every guest would share `payload/system.slice/...`: the same
+        unit on two guests would then be one cgroup, and one guest's stop kills, freezes or
+        re-attaches the other's processes (seen as "Failed to kill control group" and starts hanging).
+        """
+        root = Path("/sys/fs/cgroup")
+        if (root / "cgroup.procs").exists():  # the unified hierarchy alone
+            hierarchies = [root]
+        else:  # hybrid: the v2 tree and systemd's named v1 tree
+            hierarchies = [h for h in (root / "unified", root / "systemd") if (h / "cgroup.procs").exists()]
+        return [h / "kimi-testhosts" / self.name for h in hierarchies]
+
+    def _remove_cgroups(self) -> None:
+        for top in self.cgroups():
+            for directory, _subdirs, _files in sorted(os.walk(top), key=lambda d: -d[0].count("/")):
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+
     def start(self, timeout: float = 90) -> None:
         argv = [
             "systemd-nspawn", "--boot", f"--directory={self.merged}", f"--machine={self.name}",
@@ -354,9 +375,14 @@ class TestHost:
         if self.netns:
             # Network administration (nftables) is safe to grant only inside a namespace of its own.
             argv += [f"--network-namespace-path=/run/netns/{self.netns}", "--capability=CAP_NET_ADMIN"]
+        cgroups = self.cgroups()
+        for cgroup in cgroups:
+            cgroup.mkdir(parents=True, exist_ok=True)
         # A supervisor loop: `systemctl reboot` in the guest makes nspawn exit 133; start it again.
+        # It first moves itself into the guest's own cgroups, so nspawn and the guest start there.
+        enter = "".join(f"echo $$ > {cgroup}/cgroup.procs; " for cgroup in cgroups)
         loop = (
-            f"while :; do date +%s >> boots; {' '.join(argv)} & echo $! > nspawn.pid; wait $!; rc=$?; "
+            f"{enter}while :; do date +%s >> boots; {' '.join(argv)} & echo $! > nspawn.pid; wait $!; rc=$?; "
             f"[ $rc -eq {REBOOT_EXIT_STATUS} ] || exit $rc; done"
         )
         with open(self.console_log, "ab") as console:
@@ -419,6 +445,7 @@ class TestHost:
             _run(["umount", "--lazy", str(self.merged)])
         if self.netns:
             _run(["ip", "netns", "del", self.netns], check=False)
+        self._remove_cgroups()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _kill_strays(self) -> None:

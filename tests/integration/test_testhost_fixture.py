@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,20 @@ def test_hosts_in_namespaces_reach_each_other(make_hosts):
     out = first.ssh(f'python3 -c "{probe}" && echo ok')
     assert out.stdout.strip() == "ok"
     assert first.ssh("hostname").stdout.strip() == first.name
+
+
+def test_the_same_unit_on_two_hosts_is_two_cgroups(make_hosts):
+    """Stopping a unit on one host must not touch the unit of the same name on another."""
+    first, second = make_hosts(2)
+    for host in (first, second):
+        host.ssh("systemd-run --unit=kimi-probe --property=KillMode=mixed sleep 600")
+    first.ssh("systemctl stop kimi-probe")
+    assert second.ssh("systemctl is-active kimi-probe", check=False).stdout.strip() == "active"
+    journal = first.ssh("journalctl -u kimi-probe --no-pager -o cat").stdout
+    assert "Failed to kill control group" not in journal, journal
+    mine = {host.name: Path(f"/proc/{host.nspawn_pid}/cgroup").read_text() for host in (first, second)}
+    assert all(f"kimi-testhosts/{name}" in text for name, text in mine.items()), mine
+    second.ssh("systemctl stop kimi-probe")
 
 
 def test_a_guest_that_fails_to_boot_reports_its_journal_and_leaves_nothing(capsys):
