@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Only vLLM's CLI implements `serve --headless`; this wrapper runs it under both distributions.
 HEADLESS_MODULE = "kimi_service.vllm_cli"
+# Makes vLLM's API server count the requests it holds (GET /load); the drain on stop waits for them.
+LOAD_TRACKING_FLAG = "--enable-server-load-tracking"
 # Probes in a row a follower may miss before the leader gives up on the group (a restart is caught
 # at once: the follower comes back as another instance).
 FOLLOWER_MISSES = 3
@@ -96,6 +98,9 @@ def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
         argv = [python, "-m", API_SERVER_MODULE, "--model", plan_argv[2], *flags]
     if not any(f == "--shutdown-timeout" or f.startswith("--shutdown-timeout=") for f in flags):
         argv += ["--shutdown-timeout", str(int(drain_seconds))]
+    if not (cluster and not cluster.is_leader) and LOAD_TRACKING_FLAG not in flags:
+        # GET /load then counts the requests the API server holds, also those not yet in the engine.
+        argv.append(LOAD_TRACKING_FLAG)
     if cluster:
         argv += cluster_flags(cluster)
         if not cluster.is_leader:
@@ -677,11 +682,11 @@ class Supervisor:
         deadline = time.monotonic() + serve.drain_timeout
         while True:
             try:
-                in_flight = requests_in_flight(client.get(f"{self.url}/metrics", timeout=self.probe_timeout).text)
+                in_flight = self._requests_held(client)
             except httpx.HTTPError:
                 in_flight = -1  # a busy engine may answer slowly: unknown is not idle
             except ValueError:
-                return  # no metrics to go by: vLLM's own shutdown drain is all there is
+                return  # nothing to go by: vLLM's own shutdown drain is all there is
             if in_flight == 0 or in_flight is None:
                 return
             count = "unknown (no answer from /metrics)" if in_flight < 0 else str(in_flight)
@@ -693,6 +698,16 @@ class Supervisor:
             if not self._keep_alive():
                 return
             time.sleep(0.5)
+
+    def _requests_held(self, client: httpx.Client) -> int | None:
+        """Requests the API server holds (GET /load: also those still being parsed or tokenized, which
+        the engine's metrics do not count yet), or at least those the engine runs or queues."""
+        engine = requests_in_flight(client.get(f"{self.url}/metrics", timeout=self.probe_timeout).text)
+        answer = client.get(f"{self.url}/load", timeout=self.probe_timeout)
+        load = answer.json().get("server_load") if answer.status_code == 200 else None
+        if not isinstance(load, int):
+            return engine
+        return max(load, engine or 0)
 
     def _keep_alive(self) -> bool:
         """While a stop drains: False once vLLM is gone (nothing left to wait for), else ping the

@@ -25,7 +25,7 @@ CONFIG = parse_config({"model": {"path": "/m/tiny"}, "paths": {"state_dir": "/sr
 def test_planned_vllm_serve_becomes_the_module_entry_point_with_a_drain_bound() -> None:
     argv = launcher.engine_argv(["vllm", "serve", "/m/tiny", "--port", "8000"], "/opt/venv/bin/python", 30)
     assert argv == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny",
-                    "--port", "8000", "--shutdown-timeout", "30"]
+                    "--port", "8000", "--shutdown-timeout", "30", "--enable-server-load-tracking"]
 
 
 def test_an_explicit_shutdown_timeout_is_kept() -> None:
@@ -214,20 +214,25 @@ def test_a_checker_that_resets_the_connection_is_not_logged_as_an_error(capfd) -
 
 
 class _MetricsServer:
-    """Stands in for vLLM's /metrics: answers `text`, or nothing at all while `text` is None."""
+    """Stands in for vLLM's /metrics (`text`) and /load (`load`; 404 while None, as without
+    --enable-server-load-tracking); neither answers at all while `text` is None."""
 
     def __init__(self) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         outer = self
         self.text: str | None = VLLM_METRICS
+        self.load: int | None = None
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if outer.text is None:
                     time.sleep(1.5)  # longer than the supervisor's probe timeout
                     return
-                body = outer.text.encode()
+                if self.path == "/load" and outer.load is None:
+                    self.send_error(404)
+                    return
+                body = (f'{{"server_load": {outer.load}}}' if self.path == "/load" else outer.text).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -259,6 +264,8 @@ def _draining_supervisor(port: int, drain_timeout: float) -> launcher.Supervisor
     [
         # Two requests running for a second, then none: the drain ends then, well before its bound.
         ("busy-then-idle", 1.0, 2.5),
+        # The engine runs nothing yet, but the API server holds a request (still being tokenized).
+        ("held-by-the-api-server", 1.0, 2.5),
         # /metrics does not answer (a busy engine): unknown is not idle, so the drain runs to its bound.
         ("silent", 4.0, 6.5),
         # No request metrics at all: nothing to wait for after the withdraw window.
@@ -269,10 +276,14 @@ def test_the_stop_waits_for_requests_in_flight_within_its_bound(metrics: str, at
                                                                 at_most: float) -> None:
     server = _MetricsServer()
     busy = VLLM_METRICS.replace('model_name="kimi-tiny"} 0.0', 'model_name="kimi-tiny"} 2.0')
-    server.text = {"busy-then-idle": busy, "silent": None, "no-series": "# nothing here\n"}[metrics]
+    server.text = {"busy-then-idle": busy, "held-by-the-api-server": VLLM_METRICS, "silent": None,
+                   "no-series": "# nothing here\n"}[metrics]
     supervisor = _draining_supervisor(server.port, drain_timeout=4)
     if metrics == "busy-then-idle":
         threading.Timer(1.0, lambda: setattr(server, "text", VLLM_METRICS)).start()
+    if metrics == "held-by-the-api-server":
+        server.load = 1
+        threading.Timer(1.0, lambda: setattr(server, "load", 0)).start()
     started = time.monotonic()
     try:
         with httpx.Client() as client:
