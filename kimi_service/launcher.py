@@ -689,7 +689,7 @@ class Supervisor:
                 return  # nothing to go by: vLLM's own shutdown drain is all there is
             if in_flight == 0 or in_flight is None:
                 return
-            count = "unknown (no answer from /metrics)" if in_flight < 0 else str(in_flight)
+            count = "unknown (vLLM did not answer /metrics or /load)" if in_flight < 0 else str(in_flight)
             if time.monotonic() >= deadline:
                 log.warning("requests in flight after %.0f s (serve.drain_timeout): %s; vLLM's shutdown drains them "
                             "for its --shutdown-timeout", serve.drain_timeout, count)
