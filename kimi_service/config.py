@@ -7,6 +7,7 @@ Secrets never live here: the API key and hub token come from the environment
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +25,26 @@ WORKLOADS = ("chat", "shared-prefix", "long-context", "latency", "throughput")
 RESERVED_EXTRA_ARGS = ("--api-key", "--host", "--port", "--served-model-name", "--model")
 # Environment a cluster section may set for the engine: the collective libraries' own knobs only.
 CLUSTER_ENV_PREFIXES = ("NCCL_", "GLOO_")
+# Engine environment plan.extra_env may not set, and where each belongs instead: secrets stay in
+# secrets.env (plan.json and config.yaml are readable), serve owns the paths and its systemd link,
+# the planner sizes the CPU KV cache.
+RESERVED_EXTRA_ENV = {
+    "VLLM_API_KEY": "kimi_api_key (secrets.env)",
+    "HF_TOKEN": "kimi_hf_token (secrets.env)",
+    "HUGGING_FACE_HUB_TOKEN": "kimi_hf_token (secrets.env)",
+    "VLLM_CACHE_ROOT": "paths.cache_dir",
+    "TORCHINDUCTOR_CACHE_DIR": "paths.cache_dir",
+    "TRITON_CACHE_DIR": "paths.cache_dir",
+    "XDG_CACHE_HOME": "paths.cache_dir",
+    "HF_HOME": "paths.cache_dir",
+    "TMPDIR": "paths.tmp_dir",
+    "NOTIFY_SOCKET": "the unit (only serve speaks to systemd)",
+    "WATCHDOG_USEC": "the unit (only serve speaks to systemd)",
+    "VLLM_NO_USAGE_STATS": "kimi-service (always 1)",
+    "PYTHONUNBUFFERED": "kimi-service (always 1)",
+    "VLLM_CPU_KVCACHE_SPACE": "--kv-cache-memory-bytes in plan.extra_args",
+}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # vLLM puts ZeroMQ sockets at TMPDIR/<36-character uuid>; a Unix socket path holds at most 107 bytes.
 MAX_TMP_DIR_LENGTH = 107 - 37
 
@@ -61,6 +82,8 @@ class PlanConfig:
     max_model_len: int | None = None
     nodes: int = 1
     extra_args: tuple[str, ...] = ()
+    # More engine environment (vLLM's own VLLM_* knobs, OMP_*); validated against RESERVED_EXTRA_ENV.
+    extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -269,6 +292,35 @@ def _extra_args(section: _Section) -> tuple[str, ...]:
     return args
 
 
+def _env_mapping(section: _Section, name: str) -> dict[str, str]:
+    """A mapping of environment variable names to string (or integer) values."""
+    data = section._take(name) or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{section.key(name)}: expected a mapping of variable names to values, got {_kind(data)}")
+    env: dict[str, str] = {}
+    for var, value in data.items():
+        if not isinstance(var, str) or not _ENV_NAME.fullmatch(var):
+            raise ConfigError(f"{section.key(name)}: {var!r} is not an environment variable name")
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"{section.key(name)}.{var}: expected a string or integer, got {_kind(value)} {value!r}")
+        if "\0" in str(value) or "\n" in str(value):
+            raise ConfigError(f"{section.key(name)}.{var}: a value may not hold a newline or NUL byte")
+        env[var] = str(value)
+    return env
+
+
+def _extra_env(section: _Section) -> dict[str, str]:
+    env = _env_mapping(section, "extra_env")
+    for var in env:
+        if var in RESERVED_EXTRA_ENV:
+            raise ConfigError(f"{section.key('extra_env')}.{var}: set by kimi-service itself; use "
+                              f"{RESERVED_EXTRA_ENV[var]} instead")
+        if var.startswith(CLUSTER_ENV_PREFIXES):
+            raise ConfigError(f"{section.key('extra_env')}.{var}: the collective libraries' variables belong in "
+                              "cluster.env (kimi_nccl_extra_env)")
+    return env
+
+
 def _cluster(top: _Section) -> ClusterConfig | None:
     if not top.has("cluster"):
         top.section("cluster")  # an empty `cluster:` is a single host, like no section at all
@@ -298,19 +350,13 @@ def _cluster(top: _Section) -> ClusterConfig | None:
         )
     master_port = c.integer("master_port", ClusterConfig.master_port, 1024, 65535)
     join_timeout = c.number("join_timeout", ClusterConfig.join_timeout, 1)
-    env_data = c._take("env") or {}
-    if not isinstance(env_data, Mapping):
-        raise ConfigError(f"{c.key('env')}: expected a mapping of variable names to values, got {_kind(env_data)}")
-    env: dict[str, str] = {}
-    for name, value in env_data.items():
-        if not isinstance(name, str) or not name.startswith(CLUSTER_ENV_PREFIXES) or not name.isupper():
+    env = _env_mapping(c, "env")
+    for name in env:
+        if not name.startswith(CLUSTER_ENV_PREFIXES) or not name.isupper():
             raise ConfigError(
                 f"{c.key('env')}.{name}: only the collective libraries' variables belong here "
                 f"({', '.join(p + '*' for p in CLUSTER_ENV_PREFIXES)})"
             )
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise ConfigError(f"{c.key('env')}.{name}: expected a string or integer, got {_kind(value)} {value!r}")
-        env[name] = str(value)
     c.finish()
     return ClusterConfig(node_rank=node_rank, addresses=tuple(addresses), master_port=master_port,
                          join_timeout=join_timeout, env=env)
@@ -336,6 +382,7 @@ def parse_config(data: Any) -> Config:
         max_model_len=max_len or None,
         nodes=p.integer("nodes", PlanConfig.nodes, 1, 64),
         extra_args=_extra_args(p),
+        extra_env=_extra_env(p),
     )
     p.finish()
 

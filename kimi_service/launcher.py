@@ -153,10 +153,12 @@ def cluster_env(cluster: ClusterConfig, interfaces: Mapping[str, str]) -> dict[s
 
 def engine_env(base: Mapping[str, str], plan_env: Mapping[str, str], argv: Sequence[str],
                config: Config) -> dict[str, str]:
-    """The child's environment: ours (which carries VLLM_API_KEY from secrets.env), the plan's, and
-    cache/temp dirs inside the service's state dir, so nothing lands in /root/.cache or /tmp."""
+    """The child's environment: ours (which carries VLLM_API_KEY from secrets.env), the plan's, the
+    operator's plan.extra_env, and cache/temp dirs inside the service's state dir, so nothing lands in
+    /root/.cache or /tmp."""
     env = dict(base)
     env.update(plan_env)
+    env.update(config.plan.extra_env)
     if any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in argv):
         # vLLM's CPU engine lets this variable beat the flag; an explicit flag must win.
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -228,6 +230,8 @@ def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
     document = plan.to_json()
     document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
                      "hardware": gpus.describe()})
+    if config.plan.extra_env:
+        document["extra_env"] = dict(config.plan.extra_env)
     cluster = config.cluster
     plan_env = dict(plan.env)
     if cluster:

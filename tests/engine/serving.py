@@ -24,7 +24,9 @@ from tests.support.tiny_model import SERVED_NAME
 READY_TIMEOUT = 240.0
 # systemd's WatchdogSec=4 -> serve pings every 2 s at most, every probe (1 s) while healthy.
 WATCHDOG_USEC = 4_000_000
-WITHDRAW_DELAY = 3
+# Wide enough that the SIGTERM test's late request (sent once /ready says 503, up to 2 s in) reaches
+# vLLM's API server before the window ends, also on a loaded 2-core machine streaming beside it.
+WITHDRAW_DELAY = 6
 
 
 class NotifyRecorder:

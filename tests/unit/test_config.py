@@ -29,7 +29,8 @@ def test_full_config_round_trips() -> None:
         "model": {"path": "/m/x", "served_name": "kimi"},
         "api": {"host": "127.0.0.1", "port": 18000},
         "plan": {"engine": "cpu", "workload": "latency", "max_model_len": 4096, "nodes": 2,
-                 "extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]},
+                 "extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"],
+                 "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0-3", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_X": 4}},
         "paths": {"state_dir": "/srv/k", "plan_file": "/tmp/plan.json"},
         "serve": {"drain_timeout": 5, "probe_interval": 0.5, "ready_port": 18001, "withdraw_delay": 3},
         "health": {"smoke": False},
@@ -37,6 +38,7 @@ def test_full_config_round_trips() -> None:
     })
     assert cfg.plan.extra_args == ("--enforce-eager", "--kv-cache-memory-bytes", "256M")
     assert cfg.plan.max_model_len == 4096
+    assert dict(cfg.plan.extra_env) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_X": "4"}
     assert cfg.paths.cache_dir == Path("/srv/k/cache")  # follows state_dir unless set
     assert cfg.serve.drain_timeout == 5.0
     assert (cfg.serve.ready_port, cfg.serve.withdraw_delay) == (18001, 3.0)
@@ -58,6 +60,14 @@ def test_full_config_round_trips() -> None:
         ({**MINIMAL, "plan": {"extra_args": "--enforce-eager"}}, "plan.extra_args: expected a list of strings"),
         ({**MINIMAL, "plan": {"extra_args": ["--api-key", "x"]}}, "use VLLM_API_KEY in secrets.env"),
         ({**MINIMAL, "plan": {"extra_args": ["--port=1"]}}, "plan.extra_args: --port is set by kimi-service"),
+        ({**MINIMAL, "plan": {"extra_env": ["A=1"]}}, "plan.extra_env: expected a mapping of variable names"),
+        ({**MINIMAL, "plan": {"extra_env": {"A-B": "1"}}}, "plan.extra_env: 'A-B' is not an environment variable"),
+        ({**MINIMAL, "plan": {"extra_env": {"A": True}}}, "plan.extra_env.A: expected a string or integer"),
+        ({**MINIMAL, "plan": {"extra_env": {"A": "1\nB=2"}}}, "plan.extra_env.A: a value may not hold a newline"),
+        ({**MINIMAL, "plan": {"extra_env": {"VLLM_API_KEY": "k"}}}, "set by kimi-service itself; use kimi_api_key"),
+        ({**MINIMAL, "plan": {"extra_env": {"TMPDIR": "/t"}}}, "plan.extra_env.TMPDIR: set by kimi-service itself"),
+        ({**MINIMAL, "plan": {"extra_env": {"VLLM_CPU_KVCACHE_SPACE": "4"}}}, "use --kv-cache-memory-bytes"),
+        ({**MINIMAL, "plan": {"extra_env": {"NCCL_DEBUG": "INFO"}}}, "belong in cluster.env (kimi_nccl_extra_env)"),
         ({**MINIMAL, "serve": {"drain_timeout": -1}}, "serve.drain_timeout: -1 is too small; use >= 0"),
         ({**MINIMAL, "health": {"smoke": "yes"}}, "health.smoke: expected true or false"),
         ({**MINIMAL, "api": "localhost"}, "api: expected a mapping of keys, got a string"),

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kimi_service import launcher
-from kimi_service.config import parse_config
+from kimi_service.config import RESERVED_EXTRA_ENV, parse_config
 from kimi_service.errors import KimiError
 from kimi_service.sdnotify import Notifier, format_message
 from tests.support.fake_pynvml import FakeNvml, NVMLError
@@ -47,6 +47,20 @@ def test_engine_env_keeps_the_key_moves_caches_and_hides_the_notify_socket() -> 
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/srv/kimi/cache/torchinductor"
     assert env["TMPDIR"] == "/srv/kimi/tmp"
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
+
+
+def test_extra_env_reaches_the_engine_but_cannot_move_what_serve_owns() -> None:
+    config = parse_config({"model": {"path": "/m/tiny"}, "paths": {"state_dir": "/srv/kimi"},
+                           "plan": {"extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "2"}}})
+    env = launcher.engine_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_CPU_KVCACHE_SPACE": "8"}, [], config)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("1", "2")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "8"
+
+
+def test_every_variable_serve_sets_is_one_extra_env_refuses() -> None:
+    """Else an operator's extra_env would be silently overwritten."""
+    env = launcher.engine_env({}, {}, [], CONFIG)
+    assert set(env) <= set(RESERVED_EXTRA_ENV), set(env) - set(RESERVED_EXTRA_ENV)
 
 
 def test_an_explicit_kv_cache_flag_beats_the_planned_cpu_kv_space() -> None:

@@ -113,6 +113,13 @@ def test_nccl_variables_reach_the_engine_environment():
     assert config.cluster.master_port == 29600
 
 
+def test_extra_env_reaches_config_and_a_reserved_name_is_refused():
+    config = parse_config(_render(kimi_vllm_extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}))
+    assert dict(config.plan.extra_env) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with pytest.raises(ConfigError, match=r"plan\.extra_env\.HF_HOME: set by kimi-service itself"):
+        parse_config(_render(kimi_vllm_extra_env={"HF_HOME": "/x"}))
+
+
 def test_a_host_outside_the_group_serves_alone():
     assert parse_config(_cluster_render("gpu-c")).cluster is None
     assert "cluster" not in _render()
