@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kimi_service import launcher
 from kimi_service.cli import main
+from kimi_service.config import load_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 TINY_LLAMA = {
@@ -15,9 +17,10 @@ TINY_LLAMA = {
 }
 
 
-def _config(tmp_path: Path, model: Path, engine: str = "cpu") -> Path:
+def _config(tmp_path: Path, model: Path, engine: str = "cpu", plan_extra: str = "") -> Path:
     path = tmp_path / "config.yaml"
-    path.write_text(f"model:\n  path: {model}\nplan:\n  engine: {engine}\npaths:\n  state_dir: {tmp_path}\n")
+    path.write_text(f"model:\n  path: {model}\nplan:\n  engine: {engine}\n{plan_extra}"
+                    f"paths:\n  state_dir: {tmp_path}\n")
     return path
 
 
@@ -29,6 +32,18 @@ def test_check_plans_and_prints_the_command_without_starting(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "valid; engine cpu" in out
     assert "would run: " in out and "--model " + str(model) in out
+
+
+def test_extra_env_is_shown_recorded_in_the_plan_and_given_to_the_engine(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    config = _config(tmp_path, model, plan_extra="  extra_env:\n    VLLM_CPU_OMP_THREADS_BIND: '1'\n")
+    assert main(["serve", "--check", "--config", str(config)]) == 0
+    assert "with plan.extra_env: VLLM_CPU_OMP_THREADS_BIND=1" in capsys.readouterr().out
+    launch = launcher.prepare(load_config(config))
+    assert launch.plan_document["extra_env"] == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 
 def test_check_refuses_a_bad_value_with_exit_2(tmp_path, capsys):
