@@ -169,7 +169,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               f"max_model_len {plan.get('max_model_len')}, KV cache {plan.get('kv_cache_tokens'):,} tokens")
         print("would run: " + " ".join(launch.argv))
         if plan.get("extra_env"):
-            print("with plan.extra_env: " + " ".join(f"{k}={v}" for k, v in plan["extra_env"].items()))
+            print("with plan.extra_env: " + ", ".join(plan["extra_env"]))
         return 0
     _log_to_journal()
     return launcher.serve(loaded)

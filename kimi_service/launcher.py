@@ -231,7 +231,8 @@ def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
     document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
                      "hardware": gpus.describe()})
     if config.plan.extra_env:
-        document["extra_env"] = dict(config.plan.extra_env)
+        # Names only: plan.json is world-readable, and an operator's variable may hold a credential.
+        document["extra_env"] = sorted(config.plan.extra_env)
     cluster = config.cluster
     plan_env = dict(plan.env)
     if cluster:

@@ -34,16 +34,20 @@ def test_check_plans_and_prints_the_command_without_starting(tmp_path, capsys):
     assert "would run: " in out and "--model " + str(model) in out
 
 
-def test_extra_env_is_shown_recorded_in_the_plan_and_given_to_the_engine(tmp_path, capsys):
+def test_extra_env_names_are_shown_and_recorded_and_the_values_reach_the_engine(tmp_path, capsys):
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    config = _config(tmp_path, model, plan_extra="  extra_env:\n    VLLM_CPU_OMP_THREADS_BIND: '1'\n")
+    config = _config(tmp_path, model, plan_extra="  extra_env:\n    VLLM_CPU_OMP_THREADS_BIND: '1'\n"
+                                                  "    WANDB_API_KEY: wandb-s3cret\n")
     assert main(["serve", "--check", "--config", str(config)]) == 0
-    assert "with plan.extra_env: VLLM_CPU_OMP_THREADS_BIND=1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "with plan.extra_env: VLLM_CPU_OMP_THREADS_BIND, WANDB_API_KEY" in out
     launch = launcher.prepare(load_config(config))
-    assert launch.plan_document["extra_env"] == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    # plan.json is world-readable: the names, never the values.
+    assert launch.plan_document["extra_env"] == ["VLLM_CPU_OMP_THREADS_BIND", "WANDB_API_KEY"]
+    assert "wandb-s3cret" not in out + json.dumps(launch.plan_document)
+    assert (launch.env["VLLM_CPU_OMP_THREADS_BIND"], launch.env["WANDB_API_KEY"]) == ("1", "wandb-s3cret")
 
 
 def test_check_refuses_a_bad_value_with_exit_2(tmp_path, capsys):
