@@ -49,7 +49,13 @@ def hub(balancer):
 
 
 @pytest.fixture(scope="module")
-def inventory(balancer, replicas, hub, tmp_path_factory):
+def replica_host_vars(replicas):
+    # A replica restarted beside a busy one must not starve on the core they would share.
+    return own_core_each(replicas)
+
+
+@pytest.fixture(scope="module")
+def inventory(balancer, replicas, replica_host_vars, hub, tmp_path_factory):
     return write_inventory(
         tmp_path_factory.mktemp("replicas") / "hosts.yml", replicas,
         groups={"kimi_replicas": replicas, "kimi_balancer": [balancer]},
@@ -60,8 +66,7 @@ def inventory(balancer, replicas, hub, tmp_path_factory):
             "kimi_model_fanout": True,
             "kimi_balancer_check_interval_sec": 1,
         },
-        # A replica restarted beside a busy one must not starve on the core they would share.
-        host_vars=own_core_each(replicas),
+        host_vars=replica_host_vars,
     )
 
 
@@ -152,7 +157,7 @@ class ClientLoop:
             time.sleep(0.2)
 
 
-def test_site_converges_behind_one_endpoint(converge, balancer, replicas, hub, endpoint):
+def test_site_converges_behind_one_endpoint(converge, balancer, replicas, replica_host_vars, hub, endpoint):
     assert f"endpoint: http://{balancer.address}:{BALANCER_PORT}/v1" in converge.output
     assert balancer.ssh("systemctl is-active haproxy").stdout.strip() == "active"
     assert balancer.ssh("systemctl cat kimi-vllm.service", check=False).returncode != 0, "no engine on the balancer"
@@ -161,9 +166,8 @@ def test_site_converges_behind_one_endpoint(converge, balancer, replicas, hub, e
     size = (ensure_tiny_model() / "model.safetensors").stat().st_size
     assert hub.sent_bytes("model.safetensors") == size
     # kimi_vllm_extra_env reached each engine: each is bound to the core its host variables name.
-    cores = own_core_each(replicas)
     for replica in replicas:
-        core = cores[replica.name]["kimi_vllm_extra_env"]["VLLM_CPU_OMP_THREADS_BIND"]
+        core = replica_host_vars[replica.name]["kimi_vllm_extra_env"]["VLLM_CPU_OMP_THREADS_BIND"]
         journal = replica.ssh("journalctl -u kimi-vllm --no-pager -o cat").stdout
         assert f"VLLM_CPU_OMP_THREADS_BIND='{core}'" in journal, journal[-3000:]
 

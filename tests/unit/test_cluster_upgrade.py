@@ -72,6 +72,25 @@ def test_the_ordered_group_restart_lives_in_one_task_file():
 
 def test_upgrade_takes_single_hosts_one_at_a_time_and_a_cluster_group_in_one_batch():
     plays = {play["hosts"]: play for play in yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())}
-    assert plays["kimi_upgrade_single"]["serial"] == 1
-    assert "serial" not in plays["kimi_upgrade_clusters"]
-    assert list(plays) == ["kimi_hosts", "kimi_upgrade_single", "kimi_upgrade_clusters"]
+    assert plays["kimi_hosts:&kimi_upgrade_single"]["serial"] == 1
+    assert "serial" not in plays["kimi_hosts:&kimi_upgrade_clusters"]
+    assert list(plays) == ["kimi_hosts", "kimi_hosts:&kimi_upgrade_single", "kimi_hosts:&kimi_upgrade_clusters"]
+
+
+@pytest.mark.parametrize("answered_first", [["gpu-3", "gpu-1", "gpu-2"], ["gpu-2", "gpu-3", "gpu-1"]])
+def test_upgrade_goes_through_the_hosts_in_inventory_order_whoever_answers_first(tmp_path, answered_first):
+    # group_by adds the hosts to its group in the order they answer; the operator expects the upgrade to
+    # start with the first host of the inventory (and the tests check which host it stopped at).
+    from ansible.inventory.manager import InventoryManager
+
+    (tmp_path / "hosts.yml").write_text(
+        yaml.safe_dump({"kimi_hosts": {"hosts": {"gpu-1": {}, "gpu-2": {}, "gpu-3": {}}}})
+    )
+    inventory = InventoryManager(loader=DataLoader(), sources=[str(tmp_path / "hosts.yml")])
+    plays = yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())
+    for group in ("kimi_upgrade_single", "kimi_upgrade_clusters"):
+        inventory.add_group(group)
+        for host in answered_first:
+            inventory.add_host(host, group=group)
+    for play in plays[1:]:
+        assert [host.name for host in inventory.get_hosts(play["hosts"])] == ["gpu-1", "gpu-2", "gpu-3"], play["name"]
