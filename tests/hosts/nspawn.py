@@ -515,7 +515,7 @@ class TestHost:
         console = self.console_log.read_text(errors="replace")[-8000:] if self.console_log.exists() else ""
         return (
             f"--- console of {self.name} (last 8000 chars) ---\n{console}\n"
-            f"--- journal of {self.name} ---\n{self.journal()}"
+            f"--- journal of {self.name} ---\n{self.journal(lines=800)}"
         )
 
 

@@ -3,14 +3,17 @@
 - `testhost`: one fresh host per test module on the controller's network, with `testhost_inventory`.
 - `make_hosts(n)`: n fresh hosts, each in a network namespace of its own on a shared bridge; they
   reach each other and the controller (the bridge's gateway address) by IP.
-A host's journal and console are printed when any test that used it failed; hosts are always
-stopped by PID and unmounted.
+A host's journal and console are printed when any test that used it failed, and with a failed test its
+report shows every process of the controller and the hosts, with their states; hosts are always stopped
+by PID and unmounted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +37,29 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         _failed_nodes.add(item.module.__name__ if item.module else item.nodeid)
+        report.sections.append(("processes when it failed", _process_snapshot()))
+
+
+def _process_snapshot() -> str:
+    """Every process of the controller and its test hosts when a test failed: which engine was stuck
+    where (state, CPU it last ran on, CPU time, kernel wait channel, the CPUs it may run on)."""
+    table = subprocess.run(
+        ["ps", "-eo", "pid,ppid,stat,psr,pcpu,time,wchan:24,args", "--sort=-pcpu"],
+        capture_output=True, text=True, check=False,
+    ).stdout.splitlines()
+    lines = [line[:220] for line in table[:60]]
+    for line in table[1:]:
+        pid, _, state = line.split(None, 3)[:3]
+        if state[0] in "DR" and "python" in line:
+            status = Path(f"/proc/{pid}/status")
+            with contextlib.suppress(OSError):
+                fields = dict(f.split(":", 1) for f in status.read_text().splitlines() if ":" in f)
+                lines.append(f"{pid}: " + ", ".join(
+                    f"{k}={fields[k].strip()}" for k in ("State", "Cpus_allowed_list", "nonvoluntary_ctxt_switches")
+                    if k in fields))
+    with contextlib.suppress(OSError):
+        lines += [line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("cpu")]
+    return "\n".join(lines)
 
 
 def _require_root() -> None:

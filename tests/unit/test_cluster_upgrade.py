@@ -94,3 +94,20 @@ def test_upgrade_goes_through_the_hosts_in_inventory_order_whoever_answers_first
             inventory.add_host(host, group=group)
     for play in plays[1:]:
         assert [host.name for host in inventory.get_hosts(play["hosts"])] == ["gpu-1", "gpu-2", "gpu-3"], play["name"]
+
+
+def test_a_single_host_that_does_not_start_on_its_previous_runtime_is_reported_and_stays_out():
+    # The roll-back's restart gets a second start; when that fails too, the play says the host does not
+    # serve (instead of "back on … and serving") before it would be put back into the load balancer.
+    single = next(p for p in yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())
+                  if p["hosts"] == "kimi_hosts:&kimi_upgrade_single")
+    block = next(t for t in single["tasks"] if "rescue" in t)
+    names = [t["name"] for t in block["rescue"]]
+    restart = next(t for t in block["rescue"] if "ansible.builtin.systemd_service" in t)
+    assert restart["retries"] >= 1 and restart["ignore_errors"] is True
+    assert restart["until"] == f"{restart['register']} is succeeded"
+    not_serving = next(t for t in block["rescue"] if t.get("when") == f"{restart['register']} is failed")
+    assert "not serving" in not_serving["ansible.builtin.fail"]["msg"]
+    order = [names.index(restart["name"]), names.index(not_serving["name"]),
+             names.index("Put this replica, serving its previous version again, back into the load balancer")]
+    assert order == sorted(order)
