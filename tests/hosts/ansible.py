@@ -32,6 +32,11 @@ class PlaybookRun:
     def failed(self) -> int:
         return sum(host["failed"] + host["unreachable"] for host in self.recap.values())
 
+    @property
+    def said(self) -> str:
+        """The output as one line: a message matches however the callback wrapped it."""
+        return " ".join(self.output.split())
+
     def changed_tasks(self) -> list[str]:
         """Names of the tasks that reported a change (for readable idempotence failures)."""
         tasks, current = [], None

@@ -211,7 +211,7 @@ def _upgrade_and_check_the_rollback(inventory, group, new: dict) -> str:
     run = ansible_playbook("playbooks/upgrade.yml", inventory, extra_vars=new)
     print(f"\nfailed group upgrade and roll-back: {time.monotonic() - started:.0f} s")
     assert run.returncode != 0, str(run)
-    said = " ".join(run.output.split())
+    said = run.said
     assert f"The upgrade of the cluster group kimi_cluster ({leader.name}, {follower.name}) failed" in said, str(run)
     assert "every host of it is back on its previous runtime and configuration" in said, str(run)
     for host in group:

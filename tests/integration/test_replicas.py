@@ -221,8 +221,7 @@ def test_broken_upgrade_rolls_back_and_the_endpoint_never_stops_answering(conver
         loop.wait_served(4)
     assert run.returncode != 0, str(run)
     assert f"The upgrade of {first.name} failed" in run.output, str(run)
-    said = " ".join(run.output.split())  # however the callback wraps the message
-    assert f"it is back on {venv} and serving. No further host was touched." in said, str(run)
+    assert f"it is back on {venv} and serving. No further host was touched." in run.said, str(run)
     assert first.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
     assert first.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
     assert _main_pid(second) == untouched, "the upgrade stopped before the next replica"

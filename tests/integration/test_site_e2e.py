@@ -276,8 +276,7 @@ def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inve
     broken = {"kimi_vllm_extra_args": [*site_vars["kimi_vllm_extra_args"], "--no-such-vllm-flag"]}
     run = ansible_playbook("playbooks/upgrade.yml", inventory, extra_vars=broken)
     assert run.returncode != 0
-    said = " ".join(run.output.split())  # however the callback wraps the message
-    assert f"it is back on {venv} and serving. No further host was touched." in said, str(run)
+    assert f"it is back on {venv} and serving. No further host was touched." in run.said, str(run)
     assert host.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
     assert host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
     assert host.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"
