@@ -20,7 +20,7 @@ unit: bootstrap
 	$(BIN)/python -m pytest -m "not slow"
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20
 
 demo: bootstrap
 	$(BIN)/python scripts/demo.py up

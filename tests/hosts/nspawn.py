@@ -10,6 +10,7 @@ are always stopped by PID with their mounts removed.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -20,6 +21,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +52,18 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("KIMI_CACHE_DIR") or Path.home() / ".cache" / "kimi-service")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """Serialise builders across parallel test sessions sharing the cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_dir() -> Path:
@@ -294,8 +309,12 @@ class TestHost:
 
     # --- lifecycle -----------------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, *, network: Network | None = None, index: int = 0) -> TestHost:
-        lower = ensure_root_image()
+    def create(
+        cls, name: str, *, network: Network | None = None, index: int = 0, layers: tuple[Path, ...] = (),
+    ) -> TestHost:
+        """A host on a fresh overlay of the root image, with `layers` (captured hosts, newest first)
+        stacked over the root: it boots as those hosts were when they were captured."""
+        lower = ":".join(str(layer) for layer in (*layers, ensure_root_image()))
         workdir = run_dir() / name
         if workdir.exists():
             raise HostError(f"a test host named {name} already exists at {workdir}; stop it first")
@@ -421,8 +440,11 @@ class TestHost:
         self.ssh("systemctl reboot", check=False, timeout=10)
         self.wait_until_running(timeout, previous_pid=before)
 
-    def stop(self, timeout: float = 20) -> None:
-        """Stop the guest by PID (orderly, then forced), unmount, and remove its files."""
+    def stop(self, timeout: float = 20, *, keep_upper: Path | None = None) -> None:
+        """Stop the guest by PID (orderly, then forced), unmount, and remove its files.
+
+        With `keep_upper`, an orderly stop is required and what the guest changed (the overlay's upper
+        layer) is moved there, to be stacked under later hosts (see `create(layers=...)`)."""
         supervisor = self._read_pid("supervisor.pid")
         if supervisor and _pid_alive(supervisor):
             os.kill(supervisor, signal.SIGKILL)  # no restart once the guest goes down
@@ -433,6 +455,8 @@ class TestHost:
             while _pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             if _pid_alive(pid):
+                if keep_upper is not None:
+                    raise HostError(f"{self.name} did not shut down within {timeout:.0f} s; not capturing it")
                 os.kill(pid, signal.SIGKILL)
         self._kill_strays()
         for _ in range(50):
@@ -446,6 +470,12 @@ class TestHost:
         if self.netns:
             _run(["ip", "netns", "del", self.netns], check=False)
         self._remove_cgroups()
+        if keep_upper is not None:
+            _forget_identity(self.workdir / "upper")
+            try:
+                (self.workdir / "upper").rename(keep_upper)
+            except OSError:  # another filesystem: cp keeps the whiteouts (device nodes) and xattrs
+                _run(["cp", "-a", str(self.workdir / "upper"), str(keep_upper)])
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _kill_strays(self) -> None:
@@ -517,6 +547,18 @@ class TestHost:
             f"--- console of {self.name} (last 8000 chars) ---\n{console}\n"
             f"--- journal of {self.name} ---\n{self.journal(lines=800)}"
         )
+
+
+def _forget_identity(upper: Path) -> None:
+    """What makes a captured guest one particular machine: its journal (read back by diagnostics, which
+    must show the new host's alone), machine id, random seed, and the test key and sshd settings that
+    every host writes anew."""
+    shutil.rmtree(upper / "var/log/journal", ignore_errors=True)
+    (upper / "var/log/journal").mkdir(parents=True, exist_ok=True)
+    (upper / "etc/machine-id").write_text("")
+    for leftover in ("var/lib/systemd/random-seed", "root/.ssh/authorized_keys",
+                     "etc/ssh/sshd_config.d/kimi-testhost.conf", "etc/hosts"):
+        (upper / leftover).unlink(missing_ok=True)
 
 
 def write_inventory(

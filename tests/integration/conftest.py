@@ -2,7 +2,8 @@
 
 - `testhost`: one fresh host per test module on the controller's network, with `testhost_inventory`.
 - `make_hosts(n)`: n fresh hosts, each in a network namespace of its own on a shared bridge; they
-  reach each other and the controller (the bridge's gateway address) by IP.
+  reach each other and the controller (the bridge's gateway address) by IP. `make_hosts(n, layers)`
+  boots them on captured layers (tests/hosts/layers.py), except the indexes named in `bare`.
 A host's journal and console are printed when any test that used it failed, and with a failed test its
 report shows every process of the controller and the hosts, with their states; hosts are always stopped
 by PID and unmounted.
@@ -14,7 +15,7 @@ import contextlib
 import os
 import secrets
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -101,18 +102,19 @@ def testhost_inventory(testhost, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def make_hosts(request) -> Iterator[Callable[[int], list[TestHost]]]:
+def make_hosts(request) -> Iterator[Callable[..., list[TestHost]]]:
     """A factory: make_hosts(n) boots n hosts in separate network namespaces on one bridge."""
     _require_root()
     networks: list[Network] = []
     hosts: list[TestHost] = []
 
-    def factory(count: int) -> list[TestHost]:
+    def factory(count: int, layers: tuple[Path, ...] = (), *, bare: Collection[int] = ()) -> list[TestHost]:
         network = Network.create()
         networks.append(network)
         booted = []
         for index in range(count):
-            host = TestHost.create(f"kt-{network.name}-{index}", network=network, index=index)
+            host = TestHost.create(f"kt-{network.name}-{index}", network=network, index=index,
+                                   layers=() if index in bare else layers)
             hosts.append(host)
             booted.append(host)
             host.start()

@@ -22,7 +22,7 @@ from kimi_service.exporter import GPU_SERIES
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import TestHost, write_inventory
 from tests.support import prometheus
-from tests.support.cpu_site import API_KEY, REPO, SERVED, cpu_site_vars, gateway
+from tests.support.cpu_site import API_KEY, REPO, SERVED, cpu_site_vars, gateway, runtime_layer
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
@@ -41,7 +41,8 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(make_hosts, tmp_path_factory) -> Iterator[Deployment]:
-    engine, monitor = make_hosts(2)
+    # The engine host boots with the runtime stage done; Prometheus's host needs no engine.
+    engine, monitor = make_hosts(2, runtime_layer(), bare={1})
     with HubServer(root=ensure_tiny_model(), repo=REPO, host=gateway(engine)) as hub:
         site_vars = cpu_site_vars(hub.url, gateway(engine))
         inventory = write_inventory(

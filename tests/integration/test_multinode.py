@@ -23,7 +23,16 @@ import yaml
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import write_inventory
-from tests.support.cpu_site import API_KEY, REPO, SERVED, SMALL_ENGINE_ARGS, converge_site, cpu_site_vars, gateway
+from tests.support.cpu_site import (
+    API_KEY,
+    REPO,
+    SERVED,
+    SMALL_ENGINE_ARGS,
+    converge_site,
+    cpu_site_vars,
+    gateway,
+    runtime_layer,
+)
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
@@ -34,7 +43,7 @@ JOIN_TIMEOUT = 40
 @pytest.fixture(scope="module")
 def group(make_hosts):
     """The cluster in rank order: the leader, then its follower."""
-    return make_hosts(2)
+    return make_hosts(2, runtime_layer())
 
 
 @pytest.fixture(scope="module")

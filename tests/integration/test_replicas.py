@@ -19,7 +19,16 @@ import pytest
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import write_inventory
-from tests.support.cpu_site import API_KEY, REPO, SERVED, SMALL_ENGINE_ARGS, cpu_site_vars, gateway, own_core_each
+from tests.support.cpu_site import (
+    API_KEY,
+    REPO,
+    SERVED,
+    SMALL_ENGINE_ARGS,
+    cpu_site_vars,
+    gateway,
+    own_core_each,
+    runtime_layer,
+)
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
@@ -29,7 +38,8 @@ _STATUS_LINE = re.compile(r"^(?P<name>\S+)\s+(?P<state>.+?)\s+in flight (?P<in_f
 
 @pytest.fixture(scope="module")
 def hosts(make_hosts):
-    return make_hosts(3)
+    # The replicas boot with the runtime stage done; the balancer needs no engine.
+    return make_hosts(3, runtime_layer(), bare={0})
 
 
 @pytest.fixture(scope="module")

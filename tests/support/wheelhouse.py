@@ -11,8 +11,7 @@ import tempfile
 from pathlib import Path
 
 from tests.hosts.ansible import ansible_playbook
-from tests.hosts.nspawn import cache_dir, write_inventory
-from tests.support.engine import cache_lock
+from tests.hosts.nspawn import cache_dir, cache_lock, write_inventory
 
 ENGINE_VERSION = "0.32.0"
 GUEST_PYTHON = "3.11"  # Debian 12
