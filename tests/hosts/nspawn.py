@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -275,6 +276,10 @@ class TestHost:
     ssh_port: int
     workdir: Path
     netns: str | None = None
+    # False: a container rental's shape, systemd not PID 1 (sshd runs under nspawn's stub init instead).
+    systemd: bool = True
+    # Host directories bind-mounted into the guest, as "HOST:GUEST" (a rental's persistent volume).
+    binds: tuple[str, ...] = ()
 
     # --- paths -------------------------------------------------------------------------------
     @property
@@ -311,6 +316,7 @@ class TestHost:
     @classmethod
     def create(
         cls, name: str, *, network: Network | None = None, index: int = 0, layers: tuple[Path, ...] = (),
+        systemd: bool = True, binds: tuple[str, ...] = (),
     ) -> TestHost:
         """A host on a fresh overlay of the root image, with `layers` (captured hosts, newest first)
         stacked over the root: it boots as those hosts were when they were captured."""
@@ -326,9 +332,12 @@ class TestHost:
             ssh_port=22 if network else free_port(),
             workdir=workdir,
             netns=netns,
+            systemd=systemd,
+            binds=tuple(binds),
         )
         host.state_file.write_text(json.dumps({
             "name": name, "address": host.address, "ssh_port": host.ssh_port, "netns": netns,
+            "systemd": systemd, "binds": list(binds),
         }))
         for sub in ("upper", "work", "merged"):
             (workdir / sub).mkdir()
@@ -345,7 +354,8 @@ class TestHost:
         workdir = run_dir() / name
         state = json.loads((workdir / "host.json").read_text())
         return cls(name=state["name"], address=state["address"], ssh_port=state["ssh_port"],
-                   workdir=workdir, netns=state["netns"])
+                   workdir=workdir, netns=state["netns"], systemd=state.get("systemd", True),
+                   binds=tuple(state.get("binds", ())))
 
     def _personalise(self) -> None:
         root = self.merged
@@ -387,13 +397,22 @@ class TestHost:
 
     def start(self, timeout: float = 90) -> None:
         argv = [
-            "systemd-nspawn", "--boot", f"--directory={self.merged}", f"--machine={self.name}",
-            "--register=no", "--keep-unit", "--console=read-only", "--resolv-conf=copy-host",
-            "--timezone=off",
+            "systemd-nspawn", f"--directory={self.merged}", f"--machine={self.name}",
+            "--register=no", "--keep-unit", "--resolv-conf=copy-host", "--timezone=off",
+            *(f"--bind={bind}" for bind in self.binds),
         ]
         if self.netns:
-            # Network administration (nftables) is safe to grant only inside a namespace of its own.
-            argv += [f"--network-namespace-path=/run/netns/{self.netns}", "--capability=CAP_NET_ADMIN"]
+            argv.append(f"--network-namespace-path=/run/netns/{self.netns}")
+        if self.systemd:
+            argv += ["--boot", "--console=read-only"]
+            if self.netns:
+                # Network administration (nftables) is safe to grant only inside a namespace of its own.
+                argv.append("--capability=CAP_NET_ADMIN")
+        else:
+            # As a rented container is started: no systemd, no network administration, one foreground
+            # process (here sshd, so the play can reach it).
+            argv += ["--as-pid2", "--console=pipe", "--", "/bin/sh", "-c",
+                     "mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e"]
         cgroups = self.cgroups()
         for cgroup in cgroups:
             cgroup.mkdir(parents=True, exist_ok=True)
@@ -401,7 +420,7 @@ class TestHost:
         # It first moves itself into the guest's own cgroups, so nspawn and the guest start there.
         enter = "".join(f"echo $$ > {cgroup}/cgroup.procs; " for cgroup in cgroups)
         loop = (
-            f"{enter}while :; do date +%s >> boots; {' '.join(argv)} & echo $! > nspawn.pid; wait $!; rc=$?; "
+            f"{enter}while :; do date +%s >> boots; {shlex.join(argv)} & echo $! > nspawn.pid; wait $!; rc=$?; "
             f"[ $rc -eq {REBOOT_EXIT_STATUS} ] || exit $rc; done"
         )
         with open(self.console_log, "ab") as console:
@@ -413,7 +432,8 @@ class TestHost:
         self.wait_until_running(timeout)
 
     def wait_until_running(self, timeout: float = 90, *, previous_pid: int | None = None) -> str:
-        """Wait for `systemctl is-system-running` to say running or degraded (logged)."""
+        """Wait for `systemctl is-system-running` to say running or degraded (logged); without systemd,
+        for SSH to answer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pid = self.nspawn_pid
@@ -424,6 +444,11 @@ class TestHost:
                 time.sleep(0.2)
                 continue
             remaining = max(5.0, deadline - time.monotonic())
+            if not self.systemd:
+                if self.ssh("true", check=False, timeout=remaining).returncode == 0:
+                    return "running"
+                time.sleep(0.3)
+                continue
             result = self.ssh("systemctl is-system-running --wait", check=False, timeout=remaining)
             state = result.stdout.strip()
             if state == "running":
