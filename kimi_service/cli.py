@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_health(commands)
     _add_exporter(commands)
     _add_fetch(commands)
+    _add_gpus(commands)
     return parser
 
 
@@ -86,6 +87,29 @@ def _run_plan(args: argparse.Namespace) -> int:
                               "available_bytes": exc.available_bytes, "suggestions": exc.suggestions}, indent=2))
         raise
     print(json.dumps(result.to_json(), indent=2) if args.json else planner.render(result))
+    return 0
+
+
+def _add_gpus(commands) -> None:
+    gpus = commands.add_parser(
+        "gpus", help="the GPUs the planner knows: names, aliases, PCI device ids, memory",
+        description="The planner's table of GPUs. Ansible's preflight names the boards of a host without a "
+        "driver from the PCI device ids listed here.",
+    )
+    gpus.add_argument("--json", action="store_true", help="print the table as JSON")
+    gpus.set_defaults(handler=_run_gpus)
+
+
+def _run_gpus(args: argparse.Namespace) -> int:
+    from kimi_service import hardware
+
+    table = hardware.gpu_table()
+    if args.json:
+        print(json.dumps({"gpus": table}))
+        return 0
+    for gpu in table:
+        print(f"{gpu['name']:<16} {gpu['memory_mib']:>7} MiB  cc {gpu['compute_capability']:<5} "
+              f"pci {','.join(gpu['pci_ids']) or '-':<14} aliases {', '.join(gpu['aliases']) or '-'}")
     return 0
 
 
