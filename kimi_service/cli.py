@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_service import __version__
+from kimi_service.config import WORKLOADS
 from kimi_service.errors import KimiError, UsageError
 
 
@@ -67,7 +68,7 @@ def _add_plan(commands) -> None:
                       "cpu[:MEMORY] for the CPU engine")
     plan.add_argument("--nodes", type=int, default=1, help="nodes with SPEC GPUs each (default 1)")
     plan.add_argument("--max-model-len", type=int, metavar="N", help="context length to plan for")
-    plan.add_argument("--workload", default="chat", help="chat, shared-prefix, long-context, latency or throughput")
+    plan.add_argument("--workload", default="chat", help=", ".join(WORKLOADS))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=_run_plan)
 
