@@ -66,7 +66,7 @@ def test_the_ordered_group_restart_lives_in_one_task_file():
     assert copies == []
     main = yaml.safe_load((ROLES / "vllm_service/tasks/main.yml").read_text())
     assert any(t.get("ansible.builtin.include_tasks", {}).get("file") == "restart_group.yml" for t in main)
-    assert "tasks_from: restart_group.yml" in (ROOT / "playbooks/upgrade.yml").read_text()
+    assert "tasks_from: restart_group" in (ROOT / "playbooks/upgrade.yml").read_text()
 
 
 def test_upgrade_takes_single_hosts_one_at_a_time_and_a_cluster_group_in_one_batch():
