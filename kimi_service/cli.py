@@ -92,11 +92,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_gpus(commands) -> None:
-    gpus = commands.add_parser(
-        "gpus", help="the GPUs the planner knows: names, aliases, PCI device ids, memory",
-        description="The planner's table of GPUs. Ansible's preflight names the boards of a host without a "
-        "driver from the PCI device ids listed here.",
-    )
+    # Ansible's preflight names the boards of a host without a driver from the PCI ids listed here.
+    gpus = commands.add_parser("gpus", help="the GPUs the planner knows: names, aliases, PCI device ids, memory")
     gpus.add_argument("--json", action="store_true", help="print the table as JSON")
     gpus.set_defaults(handler=_run_gpus)
 
