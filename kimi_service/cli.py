@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kimi_service import __version__
+from kimi_service.config import WORKLOADS
 from kimi_service.errors import KimiError, UsageError
 
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_health(commands)
     _add_exporter(commands)
     _add_fetch(commands)
+    _add_gpus(commands)
     return parser
 
 
@@ -66,7 +68,7 @@ def _add_plan(commands) -> None:
                       "cpu[:MEMORY] for the CPU engine")
     plan.add_argument("--nodes", type=int, default=1, help="nodes with SPEC GPUs each (default 1)")
     plan.add_argument("--max-model-len", type=int, metavar="N", help="context length to plan for")
-    plan.add_argument("--workload", default="chat", help="chat, shared-prefix, long-context, latency or throughput")
+    plan.add_argument("--workload", default="chat", help=", ".join(WORKLOADS))
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=_run_plan)
 
@@ -86,6 +88,26 @@ def _run_plan(args: argparse.Namespace) -> int:
                               "available_bytes": exc.available_bytes, "suggestions": exc.suggestions}, indent=2))
         raise
     print(json.dumps(result.to_json(), indent=2) if args.json else planner.render(result))
+    return 0
+
+
+def _add_gpus(commands) -> None:
+    # Ansible's preflight names the boards of a host without a driver from the PCI ids listed here.
+    gpus = commands.add_parser("gpus", help="the GPUs the planner knows: names, aliases, PCI device ids, memory")
+    gpus.add_argument("--json", action="store_true", help="print the table as JSON")
+    gpus.set_defaults(handler=_run_gpus)
+
+
+def _run_gpus(args: argparse.Namespace) -> int:
+    from kimi_service import hardware
+
+    table = hardware.gpu_table()
+    if args.json:
+        print(json.dumps({"gpus": table}))
+        return 0
+    for gpu in table:
+        print(f"{gpu['name']:<16} {gpu['memory_mib']:>7} MiB  cc {gpu['compute_capability']:<5} "
+              f"pci {','.join(gpu['pci_ids']) or '-':<14} aliases {', '.join(gpu['aliases']) or '-'}")
     return 0
 
 

@@ -27,6 +27,8 @@ class GpuModel:
     nvlink: bool
     nvswitch: bool
     aliases: tuple[str, ...] = ()
+    # PCI device ids (vendor 10de) of the board, as sysfs writes them: what a host without a driver shows.
+    pci_ids: tuple[str, ...] = ()
 
     @property
     def fp8(self) -> bool:
@@ -38,35 +40,52 @@ def supports_fp8(compute_capability: tuple[int, int]) -> bool:
     return compute_capability >= (8, 9)
 
 
-# Memory is the total NVML reports for each board, not the marketing number: the planner's
-# budget starts from what vLLM will see. nvswitch marks boards sold in 8-GPU NVSwitch baseboards.
+# The one table of GPUs: the planner reads it, and preflight reads its PCI ids through `kimi-service gpus`
+# to name the boards of a host that has no driver yet. Memory is the total NVML reports for each board,
+# not the marketing number: the planner's budget starts from what vLLM will see. nvswitch marks boards
+# sold in 8-GPU NVSwitch baseboards; NVL and A40 boards link in bridged pairs only, so the planner treats
+# them as PCIe (nvlink=False), the cautious choice. PCI ids from the PCI ID repository (pci-ids.ucw.cz).
 KNOWN_GPUS: tuple[GpuModel, ...] = (
-    GpuModel("A100-PCIE-40GB", 40960 * MIB, (8, 0), nvlink=False, nvswitch=False),
-    GpuModel("A100-SXM4-40GB", 40960 * MIB, (8, 0), nvlink=True, nvswitch=True),
+    GpuModel("A100-PCIE-40GB", 40960 * MIB, (8, 0), nvlink=False, nvswitch=False, pci_ids=("0x20f1",)),
+    GpuModel("A100-SXM4-40GB", 40960 * MIB, (8, 0), nvlink=True, nvswitch=True, pci_ids=("0x20b0",)),
     GpuModel(
-        "A100-PCIE-80GB", 81920 * MIB, (8, 0), nvlink=False, nvswitch=False, aliases=("A100-80GB-PCIE",)
+        "A100-PCIE-80GB", 81920 * MIB, (8, 0), nvlink=False, nvswitch=False, aliases=("A100-80GB-PCIE",),
+        pci_ids=("0x20b5",),
     ),
     GpuModel(
-        "A100-SXM4-80GB", 81920 * MIB, (8, 0), nvlink=True, nvswitch=True, aliases=("A100-80GB", "A100")
+        "A100-SXM4-80GB", 81920 * MIB, (8, 0), nvlink=True, nvswitch=True, aliases=("A100-80GB", "A100"),
+        pci_ids=("0x20b2",),
     ),
-    GpuModel("H100-PCIE", 81559 * MIB, (9, 0), nvlink=False, nvswitch=False, aliases=("H100-PCIE-80GB",)),
+    GpuModel(
+        "H100-PCIE", 81559 * MIB, (9, 0), nvlink=False, nvswitch=False, aliases=("H100-PCIE-80GB",),
+        pci_ids=("0x2331",),
+    ),
     GpuModel(
         "H100-SXM",
         81559 * MIB,
         (9, 0),
         nvlink=True,
         nvswitch=True,
-        aliases=("H100-80GB-HBM3", "H100-SXM5", "H100"),
+        aliases=("H100-80GB-HBM3", "H100-SXM5", "H100-SXM5-80GB", "H100"),
+        pci_ids=("0x2330",),
     ),
-    GpuModel("H200", 143771 * MIB, (9, 0), nvlink=True, nvswitch=True, aliases=("H200-SXM", "H200-141GB")),
+    GpuModel("H100-NVL", 95830 * MIB, (9, 0), nvlink=False, nvswitch=False, pci_ids=("0x2321",)),
+    GpuModel(
+        "H200", 143771 * MIB, (9, 0), nvlink=True, nvswitch=True, aliases=("H200-SXM", "H200-141GB"),
+        pci_ids=("0x2335",),
+    ),
+    GpuModel("H200-NVL", 143771 * MIB, (9, 0), nvlink=False, nvswitch=False, pci_ids=("0x233b",)),
     GpuModel("H20", 97871 * MIB, (9, 0), nvlink=True, nvswitch=True),
-    GpuModel("L40S", 46068 * MIB, (8, 9), nvlink=False, nvswitch=False),
-    GpuModel("L4", 23034 * MIB, (8, 9), nvlink=False, nvswitch=False),
-    GpuModel("A10", 23028 * MIB, (8, 6), nvlink=False, nvswitch=False),
+    GpuModel("L40S", 46068 * MIB, (8, 9), nvlink=False, nvswitch=False, pci_ids=("0x26b9",)),
+    GpuModel("L40", 46068 * MIB, (8, 9), nvlink=False, nvswitch=False, pci_ids=("0x26b5",)),
+    GpuModel("L4", 23034 * MIB, (8, 9), nvlink=False, nvswitch=False, pci_ids=("0x27b8",)),
+    GpuModel("A10", 23028 * MIB, (8, 6), nvlink=False, nvswitch=False, pci_ids=("0x2236",)),
+    GpuModel("A10G", 23028 * MIB, (8, 6), nvlink=False, nvswitch=False, pci_ids=("0x2237",)),
+    GpuModel("A40", 46068 * MIB, (8, 6), nvlink=False, nvswitch=False, pci_ids=("0x2235",)),
     GpuModel(
         "RTX-4090", 24564 * MIB, (8, 9), nvlink=False, nvswitch=False, aliases=("GEFORCE-RTX-4090", "4090")
     ),
-    GpuModel("B200", 183359 * MIB, (10, 0), nvlink=True, nvswitch=True),
+    GpuModel("B200", 183359 * MIB, (10, 0), nvlink=True, nvswitch=True, pci_ids=("0x2901",)),
 )
 
 
@@ -83,6 +102,15 @@ _BY_NAME: dict[str, GpuModel] = {
 def known_gpu(name: str) -> GpuModel | None:
     """The table entry for a GPU name as a person or NVML spells it ("NVIDIA H100 80GB HBM3"), or None."""
     return _BY_NAME.get(_normalise(name))
+
+
+def gpu_table() -> list[dict[str, Any]]:
+    """The table as data, for `kimi-service gpus --json` (preflight names driverless boards from it)."""
+    return [
+        {"name": gpu.name, "aliases": list(gpu.aliases), "pci_ids": list(gpu.pci_ids),
+         "memory_mib": gpu.memory_bytes // MIB, "compute_capability": ".".join(map(str, gpu.compute_capability))}
+        for gpu in KNOWN_GPUS
+    ]
 
 
 @dataclass(frozen=True)

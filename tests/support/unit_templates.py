@@ -32,18 +32,19 @@ def variables(install_dir: Path, **extra: object) -> dict[str, object]:
         **_defaults("kimi_common"),
         **_defaults("vllm_service"),
         **_defaults("gpu_exporter"),
+        "kimi_served_name": "moonshotai/Kimi-K2.5",
         "ansible_managed": "Managed by Ansible: do not edit",
         "kimi_install_dir": str(install_dir),
-        "_kimi_model_bytes": 0,
+        "_vllm_service_model_bytes": 0,
         **extra,
-    } | {"_vllm_service_start_timeout": start_timeout(int(extra.get("_kimi_model_bytes", 0)))}
+    } | {"_vllm_service_start_timeout": start_timeout(int(extra.get("_vllm_service_model_bytes", 0)))}
 
 
 def start_timeout(model_bytes: int) -> int:
     """The role's derived start window (vars/main.yml), evaluated as Ansible would."""
     role_vars = yaml.safe_load((REPO / "roles" / "vllm_service" / "vars" / "main.yml").read_text())
     expression = role_vars["_vllm_service_start_timeout"]
-    return int(jinja2.Environment().from_string(expression).render(_kimi_model_bytes=model_bytes))
+    return int(jinja2.Environment().from_string(expression).render(_vllm_service_model_bytes=model_bytes))
 
 
 def render(name: str, values: dict[str, object]) -> str:

@@ -16,14 +16,14 @@ ROLES = ROOT / "roles"
 GROUP_RESTART = ["Stop the group's leader first", "Restart the group's followers", "Restart the group's leader"]
 
 
-def _in_cluster(variable: str, role: str, host: str, cluster_group: str, groups: dict) -> bool:
-    """Evaluate a role's membership test the way Ansible does, over the role's own vars and kimi_common's."""
+def _in_cluster(host: str, cluster_group: str, groups: dict) -> bool:
+    """Evaluate the one membership test (kimi_common's kimi_cluster_member) the way Ansible does."""
     loader = DataLoader()
     values: dict = {}
-    for path in ("kimi_common/defaults/main.yml", f"{role}/defaults/main.yml", f"{role}/vars/main.yml"):
+    for path in ("kimi_common/defaults/main.yml", "kimi_common/vars/main.yml"):
         values.update(loader.load_from_file(str(ROLES / path), trusted_as_template=True))
-    values.update(inventory_hostname=host, kimi_cluster_group=cluster_group, groups=groups, role_path=str(ROLES / role))
-    return Templar(loader=loader, variables=values).template(values[variable]) in (True, "True")
+    values.update(inventory_hostname=host, kimi_cluster_group=cluster_group, groups=groups)
+    return Templar(loader=loader, variables=values).template(values["kimi_cluster_member"]) in (True, "True")
 
 
 @pytest.mark.parametrize(
@@ -36,11 +36,10 @@ def _in_cluster(variable: str, role: str, host: str, cluster_group: str, groups:
         ("gpu-1", "no_such_group", {"kimi_hosts": ["gpu-1"]}, False),
     ],
 )
-def test_the_runtime_and_the_service_agree_which_hosts_restart_as_a_group(host, cluster_group, groups, expected):
-    # A host both roles disagree on would restart twice, or never, on a new runtime.
-    runtime = _in_cluster("_runtime_in_cluster", "vllm_runtime", host, cluster_group, groups)
-    service = _in_cluster("_vllm_service_in_cluster", "vllm_service", host, cluster_group, groups)
-    assert runtime == service == expected
+def test_cluster_membership_is_decided_once(host, cluster_group, groups, expected):
+    # Every role and playbook reads this one fact: a host two of them disagreed on would restart twice, or
+    # never, on a new runtime (tests/unit/test_one_home.py checks nobody spells the test again).
+    assert _in_cluster(host, cluster_group, groups) == expected
 
 
 def _names(path: Path) -> list[str]:
@@ -67,7 +66,7 @@ def test_the_ordered_group_restart_lives_in_one_task_file():
     assert copies == []
     main = yaml.safe_load((ROLES / "vllm_service/tasks/main.yml").read_text())
     assert any(t.get("ansible.builtin.include_tasks", {}).get("file") == "restart_group.yml" for t in main)
-    assert "tasks_from: restart_group.yml" in (ROOT / "playbooks/upgrade.yml").read_text()
+    assert "tasks_from: restart_group" in (ROOT / "playbooks/upgrade.yml").read_text()
 
 
 def test_upgrade_takes_single_hosts_one_at_a_time_and_a_cluster_group_in_one_batch():

@@ -57,3 +57,48 @@ def test_operator_variables_are_prefixed():
     for role in ROLES:
         bad = [name for name in _defaults(role) if not name.startswith("kimi_")]
         assert bad == [], f"roles/{role}: public variables must start with kimi_: {bad}"
+
+
+def _entry_points(role: str) -> dict:
+    return yaml.safe_load((ROLES_DIR / role / "meta/argument_specs.yml").read_text())["argument_specs"]
+
+
+def _tasks_from_calls():
+    """(calling file, role, tasks_from) for every include_role/import_role with tasks_from."""
+    root = ROLES_DIR.parent
+    files = [*ROLES_DIR.glob("*/tasks/*.yml"), *ROLES_DIR.glob("*/handlers/*.yml")]
+    files += (root / "playbooks").rglob("*.yml")
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key in ("ansible.builtin.include_role", "ansible.builtin.import_role"):
+                if isinstance(node.get(key), dict) and "tasks_from" in node[key]:
+                    yield node[key]["name"], node[key]["tasks_from"]
+            for value in node.values():
+                yield from walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                yield from walk(item)
+
+    for path in files:
+        for role, entry in walk(yaml.safe_load(path.read_text())):
+            yield str(path.relative_to(root)), role, entry
+
+
+@pytest.mark.parametrize(("caller", "role", "entry"), sorted(set(_tasks_from_calls())))
+def test_another_roles_tasks_are_used_only_through_a_declared_entry_point(caller, role, entry):
+    # Ansible validates an entry point's inputs only when tasks_from names it exactly (no .yml suffix).
+    if caller.startswith(f"roles/{role}/"):
+        return
+    assert entry in _entry_points(role), f"{caller} uses roles/{role} tasks_from {entry}, not an entry point"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_entry_point_inputs_are_documented_public_variables(role):
+    defaults = _defaults(role)
+    for entry, spec in _entry_points(role).items():
+        for name, option in (spec.get("options") or {}).items():
+            assert option.get("description"), f"roles/{role} entry point {entry}: {name} has no description"
+            assert name in defaults or option.get("required"), (
+                f"roles/{role} entry point {entry}: {name} is neither a default of the role nor required"
+            )

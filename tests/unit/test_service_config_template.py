@@ -18,9 +18,10 @@ def _render(**overrides) -> dict:
     """Render the template the way the role does: Ansible's templar over the role's own files."""
     loader = DataLoader()
     values: dict = {}
-    for path in ("kimi_common/defaults/main.yml", "vllm_service/defaults/main.yml", "vllm_service/vars/main.yml"):
+    for path in ("kimi_common/defaults/main.yml", "kimi_common/vars/main.yml", "vllm_service/defaults/main.yml",
+                 "vllm_service/vars/main.yml"):
         values.update(loader.load_from_file(str(ROLES / path), trusted_as_template=True))
-    values.update(ansible_managed="Ansible managed", _kimi_model_bytes=600 * 10**9, inventory_hostname="gpu-1",
+    values.update(ansible_managed="Ansible managed", _vllm_service_model_bytes=600 * 10**9, inventory_hostname="gpu-1",
                   groups={"all": ["gpu-1"], "kimi_hosts": ["gpu-1"]})
     values.update(overrides)
     template = trust_as_template((ROLES / "vllm_service/templates/config.yaml.j2").read_text())

@@ -35,7 +35,7 @@ def test_templates_start_with_ansible_managed_and_use_no_unknown_variable(name: 
 
 
 def test_vllm_unit_is_notify_with_watchdog_and_start_budget_grows_with_model(install_dir: Path) -> None:
-    small = parse(render("kimi-vllm.service", variables(install_dir, _kimi_model_bytes=7 * 1024**2)))
+    small = parse(render("kimi-vllm.service", variables(install_dir, _vllm_service_model_bytes=7 * 1024**2)))
     service = small["Service"]
     assert service["Type"] == "notify"
     assert service["NotifyAccess"] == "main"
@@ -48,7 +48,7 @@ def test_vllm_unit_is_notify_with_watchdog_and_start_budget_grows_with_model(ins
     replica = parse(render("kimi-vllm.service", variables(install_dir, kimi_vllm_withdraw_sec=6)))
     assert replica["Service"]["TimeoutStopSec"] == "111"
     assert "--api-key" not in service["ExecStart"]
-    big = parse(render("kimi-vllm.service", variables(install_dir, _kimi_model_bytes=600 * 10**9)))
+    big = parse(render("kimi-vllm.service", variables(install_dir, _vllm_service_model_bytes=600 * 10**9)))
     # 600 GB = 558 GiB -> 55 steps of 10 GiB at one minute each, on top of 5 minutes.
     assert big["Service"]["TimeoutStartSec"] == str(300 + 55 * 60)
 
