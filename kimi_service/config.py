@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from kimi_service.errors import UsageError
+from kimi_service.planner.workloads import WORKLOADS
 
 DEFAULT_CONFIG_PATH = Path("/etc/kimi-service/config.yaml")
 ENGINES = ("auto", "cuda", "cpu")
-WORKLOADS = ("chat", "shared-prefix", "long-context", "latency", "throughput")
 # Flags the supervisor owns: letting extra_args change them would break readiness checks or leak
 # the key into argv, where `ps` shows it to every user.
 RESERVED_EXTRA_ARGS = ("--api-key", "--host", "--port", "--served-model-name", "--model")
