@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kimi_service.errors import UsageError
-from kimi_service.planner.workloads import WORKLOADS
+from kimi_service.workloads import WORKLOADS
 
 DEFAULT_CONFIG_PATH = Path("/etc/kimi-service/config.yaml")
 ENGINES = ("auto", "cuda", "cpu")

@@ -13,7 +13,7 @@ from kimi_service.planner.fit import valid_tensor_parallel
 from kimi_service.planner.overrides import parse_byte_count, parse_overrides
 from kimi_service.planner.planning import plan
 from kimi_service.planner.render import render
-from kimi_service.planner.workloads import PROFILES, WORKLOADS, Workload
+from kimi_service.workloads import PROFILES, WORKLOADS, Workload
 
 __all__ = [
     "PROFILES",

@@ -16,7 +16,7 @@ from kimi_service.planner.budget import (
     memory_budget,
 )
 from kimi_service.planner.overrides import Overrides
-from kimi_service.planner.workloads import PROFILES, Workload
+from kimi_service.workloads import PROFILES, Workload
 
 MIN_CONTEXT = 4096  # below this a chat deployment is not useful; never plan shorter unless the model is
 FP8_BLOCK = 128  # FP8 block-quantized experts split under TP only in whole 128-wide blocks

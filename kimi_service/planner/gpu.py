@@ -10,7 +10,7 @@ from kimi_service.planner.budget import Knobs, MemoryBudget
 from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
 from kimi_service.planner.fit import Fit, Problem, needs_expert_parallel
 from kimi_service.planner.render import gib
-from kimi_service.planner.workloads import Workload
+from kimi_service.workloads import Workload
 
 
 def generation(compute_capability: tuple[int, int]) -> str:

@@ -14,7 +14,7 @@ from kimi_service.planner.document import Draft, Endpoint, Plan
 from kimi_service.planner.fit import Problem, try_fit
 from kimi_service.planner.gpu import gpu_plan
 from kimi_service.planner.overrides import Overrides
-from kimi_service.planner.workloads import PROFILES, WORKLOADS
+from kimi_service.workloads import PROFILES, WORKLOADS
 
 
 def plan(

@@ -1,4 +1,4 @@
-"""The workloads a deployment is tuned for, and what each changes in the plan."""
+"""The workloads a deployment is tuned for, and what each changes in the plan (config and planner share them)."""
 
 from __future__ import annotations
 
