@@ -47,7 +47,9 @@ from kimi_service import hardware, planner
 from kimi_service import model as model_inspect
 from kimi_service import nvml as nvml_reader
 from kimi_service.config import ClusterConfig, Config, ConfigError
+from kimi_service.credentials import bearer, read_secret
 from kimi_service.errors import KimiError
+from kimi_service.files import write_atomic
 from kimi_service.sdnotify import Notifier
 
 log = logging.getLogger(__name__)
@@ -246,10 +248,7 @@ def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
 
 def write_plan(path: Path, document: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-    tmp.chmod(0o644)
-    tmp.replace(path)
+    write_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", mode=0o644)
 
 
 def describe_exit(returncode: int) -> str:
@@ -456,8 +455,7 @@ class Supervisor:
         self.launch = launch
         self.notifier = notifier
         self.url = config.api.local_url
-        api_key = env.get("VLLM_API_KEY")
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = bearer(read_secret(env=env))
         self.watchdog = watchdog_interval(env, os.getpid())
         interval = config.serve.probe_interval
         self.interval = min(interval, self.watchdog) if self.watchdog else interval

@@ -219,7 +219,7 @@ def test_report_status_is_the_worst_check() -> None:
     assert health.HealthReport((ok, skipped)).exit_code == 0
     assert health.HealthReport((ok, degraded)).exit_code == 1
     assert health.HealthReport((degraded, down, ok)).exit_code == 2
-    parsed = json.loads(health.HealthReport((ok, degraded)).to_json())
+    parsed = health.HealthReport((ok, degraded)).to_json()
     assert parsed["status"] == "degraded" and [c["name"] for c in parsed["checks"]] == ["a", "c"]
 
 
