@@ -21,12 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kimi_service import exporter, health
 from kimi_service import nvml as nvml_reader
 from tests.support.fake_pynvml import FakeNvml, NVMLError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.ports import free_port
 
 
 @pytest.fixture()
