@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
 
 APIS = ("chat", "completions")
@@ -447,7 +448,7 @@ def _tokenizer_source(settings: BenchSettings, client: httpx.Client) -> str:
 
 def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
     settings.validate()
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    headers = bearer(settings.api_key)
     base = settings.url.rstrip("/")
     with httpx.Client(base_url=base, headers=headers, timeout=30) as probe:
         tokenizer = Tokenizer(_tokenizer_source(settings, probe))

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kimi_service.model import ModelSpec
+from typing import Any
 
 AMPERE, ADA, HOPPER, BLACKWELL = "ampere", "ada", "hopper", "blackwell"
 
@@ -327,36 +324,3 @@ def names() -> list[str]:
 def family(name: str) -> list[CatalogEntry]:
     return [entry for entry in ENTRIES if entry.family == name]
 
-
-def match(spec: ModelSpec) -> CatalogEntry | None:
-    """The catalog entry a downloaded model directory is a copy of, recognised by its shapes.
-
-    Weights land in /var/lib/kimi-service/models/<name>@<revision>, so the directory name can't be
-    trusted; architecture, geometry and quantization together identify the model.
-    """
-    # Imported here: model imports this module at load time.
-    from kimi_service.model import spec_from_catalog
-
-    for entry in ENTRIES:
-        known = spec_from_catalog(entry)
-        if (
-            known.architecture,
-            known.num_layers,
-            known.hidden_size,
-            known.num_attention_heads,
-            known.vocab_size,
-            known.num_experts,
-            known.quantization,
-            known.native_max_len,
-        ) == (
-            spec.architecture,
-            spec.num_layers,
-            spec.hidden_size,
-            spec.num_attention_heads,
-            spec.vocab_size,
-            spec.num_experts,
-            spec.quantization,
-            spec.native_max_len,
-        ):
-            return entry
-    return None

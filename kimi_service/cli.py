@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,13 +45,9 @@ def _env_file_arg(parser: argparse.ArgumentParser) -> None:
 
 def _secret(args: argparse.Namespace, name: str) -> str | None:
     """A secret from the environment, else from --env-file; never from an argument."""
-    if os.environ.get(name):
-        return os.environ[name]
-    if getattr(args, "env_file", None):
-        from kimi_service import config
+    from kimi_service.credentials import read_secret
 
-        return config.read_env_file(args.env_file).get(name) or None
-    return None
+    return read_secret(name, env_file=getattr(args, "env_file", None))
 
 
 def _add_plan(commands) -> None:
@@ -213,12 +208,13 @@ def _add_health(commands) -> None:
 
 def _run_health(args: argparse.Namespace) -> int:
     from kimi_service import config, health
+    from kimi_service.credentials import API_KEY_VAR
 
     cfg = config.load_config(args.config) if args.config.exists() or not args.url else None
     target = health.Target(
         url=(args.url or cfg.api.local_url).rstrip("/"),
         served_name=args.model or (cfg.model.served_name if cfg else None),
-        api_key=_secret(args, "VLLM_API_KEY"),
+        api_key=_secret(args, API_KEY_VAR),
         timeout=cfg.health.timeout if cfg else 10.0,
         smoke=not args.no_smoke and (cfg.health.smoke if cfg else True),
         smoke_max_tokens=cfg.health.smoke_max_tokens if cfg else 4,
@@ -226,7 +222,7 @@ def _run_health(args: argparse.Namespace) -> int:
     )
     report = health.wait_for_health(target, args.wait, gpus=not args.no_gpu,
                                     expect_gpus=bool(cfg and cfg.plan.engine == "cuda"))
-    print(report.to_json() if args.json else report.to_text())
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.to_text())
     return report.exit_code
 
 
@@ -243,11 +239,12 @@ def _run_exporter(args: argparse.Namespace) -> int:
     import threading
 
     from kimi_service import config, exporter, health
+    from kimi_service.credentials import read_secret
 
     _log_to_journal()
     cfg = config.load_config(args.config)
     target = health.Target(url=cfg.api.local_url, served_name=cfg.model.served_name,
-                           api_key=os.environ.get("VLLM_API_KEY") or None, timeout=cfg.health.timeout,
+                           api_key=read_secret(), timeout=cfg.health.timeout,
                            smoke=cfg.health.smoke, smoke_max_tokens=cfg.health.smoke_max_tokens,
                            follower=bool(cfg.cluster and not cfg.cluster.is_leader))
     poller = exporter.HealthPoller(target, cfg.exporter.health_interval)

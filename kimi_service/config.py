@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from kimi_service.errors import UsageError
+from kimi_service.workloads import WORKLOADS
 
 DEFAULT_CONFIG_PATH = Path("/etc/kimi-service/config.yaml")
 ENGINES = ("auto", "cuda", "cpu")
-WORKLOADS = ("chat", "shared-prefix", "long-context", "latency", "throughput")
 # Flags the supervisor owns: letting extra_args change them would break readiness checks or leak
 # the key into argv, where `ps` shows it to every user.
 RESERVED_EXTRA_ARGS = ("--api-key", "--host", "--port", "--served-model-name", "--model")
@@ -362,6 +362,36 @@ def _cluster(top: _Section) -> ClusterConfig | None:
                          join_timeout=join_timeout, env=env)
 
 
+def _paths(top: _Section) -> PathsConfig:
+    d = top.section("paths")
+    state = d.path_value("state_dir", PathsConfig.state_dir)
+    paths = PathsConfig(
+        state_dir=state,
+        cache_dir=d.path_value("cache_dir", state / "cache"),
+        tmp_dir=d.path_value("tmp_dir", state / "tmp"),
+        plan_file=d.path_value("plan_file", PathsConfig.plan_file),
+    )
+    d.finish()
+    if len(str(paths.tmp_dir)) > MAX_TMP_DIR_LENGTH:
+        raise ConfigError(
+            f"paths.tmp_dir: {str(paths.tmp_dir)!r} is {len(str(paths.tmp_dir))} characters; vLLM's IPC sockets "
+            f"live there and need it at most {MAX_TMP_DIR_LENGTH}: choose a shorter directory"
+        )
+    return paths
+
+
+def _check_ports(api: ApiConfig, exporter: ExporterConfig, serve: ServeConfig, cluster: ClusterConfig | None) -> None:
+    """Every listener of a node needs a port of its own."""
+    if exporter.port == api.port:
+        raise ConfigError(f"exporter.port: {exporter.port} is also api.port; give the exporter its own port")
+    if serve.ready_port in (api.port, exporter.port):
+        raise ConfigError(f"serve.ready_port: {serve.ready_port} is also the api or exporter port; readiness "
+                          "needs a port of its own (or 0 for none)")
+    if cluster and cluster.master_port in (api.port, exporter.port, serve.ready_port):
+        raise ConfigError(f"cluster.master_port: {cluster.master_port} is also the api, exporter or ready port; "
+                          "the rendezvous needs a port of its own")
+
+
 def parse_config(data: Any) -> Config:
     """Validate a loaded YAML document; pure, so tests and `plan` can use it without files."""
     top = _Section(data, "")
@@ -386,20 +416,7 @@ def parse_config(data: Any) -> Config:
     )
     p.finish()
 
-    d = top.section("paths")
-    state = d.path_value("state_dir", PathsConfig.state_dir)
-    paths = PathsConfig(
-        state_dir=state,
-        cache_dir=d.path_value("cache_dir", state / "cache"),
-        tmp_dir=d.path_value("tmp_dir", state / "tmp"),
-        plan_file=d.path_value("plan_file", PathsConfig.plan_file),
-    )
-    d.finish()
-    if len(str(paths.tmp_dir)) > MAX_TMP_DIR_LENGTH:
-        raise ConfigError(
-            f"paths.tmp_dir: {str(paths.tmp_dir)!r} is {len(str(paths.tmp_dir))} characters; vLLM's IPC sockets "
-            f"live there and need it at most {MAX_TMP_DIR_LENGTH}: choose a shorter directory"
-        )
+    paths = _paths(top)
 
     s = top.section("serve")
     serve = ServeConfig(
@@ -429,15 +446,8 @@ def parse_config(data: Any) -> Config:
     e.finish()
     cluster = _cluster(top)
     top.finish()
-    if exporter.port == api.port:
-        raise ConfigError(f"exporter.port: {exporter.port} is also api.port; give the exporter its own port")
-    if serve.ready_port in (api.port, exporter.port):
-        raise ConfigError(f"serve.ready_port: {serve.ready_port} is also the api or exporter port; readiness "
-                          "needs a port of its own (or 0 for none)")
+    _check_ports(api, exporter, serve, cluster)
     if cluster:
-        if cluster.master_port in (api.port, exporter.port, serve.ready_port):
-            raise ConfigError(f"cluster.master_port: {cluster.master_port} is also the api, exporter or ready port; "
-                              "the rendezvous needs a port of its own")
         if p.has("nodes") and plan.nodes != cluster.nodes:
             raise ConfigError(f"plan.nodes: {plan.nodes}, but cluster.addresses lists {cluster.nodes} nodes; "
                               "drop plan.nodes (the cluster section sets it) or make them agree")

@@ -14,3 +14,11 @@ class UsageError(KimiError):
     """Bad input: a malformed argument, an unknown name, an invalid config value."""
 
     exit_code = 2
+
+
+class EngineFailed(KimiError):
+    """vLLM exited or never became ready; exit_code carries a non-zero status for systemd."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code

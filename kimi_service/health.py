@@ -6,7 +6,6 @@ decides the exit code: 0 healthy, 1 degraded, 2 down.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 
 from kimi_service import nvml as nvml_reader
+from kimi_service.credentials import bearer
 
 OK, DEGRADED, DOWN, SKIPPED = "ok", "degraded", "down", "skipped"
 _RANK = {SKIPPED: 0, OK: 0, DEGRADED: 1, DOWN: 2}
@@ -51,8 +51,8 @@ class HealthReport:
     def exit_code(self) -> int:
         return EXIT_CODES[self.status]
 
-    def to_json(self) -> str:
-        return json.dumps({"status": self.status, "checks": [asdict(c) for c in self.checks]}, indent=2)
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "checks": [asdict(c) for c in self.checks]}
 
     def to_text(self) -> str:
         width = max((len(c.name) for c in self.checks), default=0)
@@ -75,7 +75,7 @@ class Target:
     follower: bool = False
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
 
 def check_liveness(client: httpx.Client, target: Target) -> Check:

@@ -277,7 +277,7 @@ def inspect_model(path_or_repo_id: str) -> ModelSpec:
             weight_bytes_source=weight_source,
             source=f"{directory / 'config.json'}",
         )
-        entry = catalog.match(spec)
+        entry = catalog_entry_for(spec)
         return spec if entry is None else replace(spec, catalog_name=entry.repo_id)
     entry = catalog.get(path_or_repo_id)
     if entry is None:
@@ -286,6 +286,21 @@ def inspect_model(path_or_repo_id: str) -> ModelSpec:
             f"use a downloaded model directory or one of: {', '.join(catalog.names())}"
         )
     return spec_from_catalog(entry)
+
+
+def _shape(spec: ModelSpec) -> tuple[Any, ...]:
+    return (spec.architecture, spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.vocab_size,
+            spec.num_experts, spec.quantization, spec.native_max_len)
+
+
+def catalog_entry_for(spec: ModelSpec) -> catalog.CatalogEntry | None:
+    """The catalog entry a downloaded model directory is a copy of, recognised by its shapes.
+
+    Weights land in /var/lib/kimi-service/models/<name>@<revision>, so the directory name can't be
+    trusted; architecture, geometry and quantization together identify the model.
+    """
+    shape = _shape(spec)
+    return next((entry for entry in catalog.ENTRIES if _shape(spec_from_catalog(entry)) == shape), None)
 
 
 def spec_from_catalog(entry: catalog.CatalogEntry) -> ModelSpec:

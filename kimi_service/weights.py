@@ -24,7 +24,9 @@ from urllib.parse import quote
 
 import httpx
 
+from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
+from kimi_service.files import write_atomic
 
 SOURCES = ("hf", "modelscope", "http", "local")
 VERIFY_MODES = ("size", "full")
@@ -179,9 +181,7 @@ def _human(n: float) -> str:
 
 
 def _client(token: str) -> httpx.Client:
-    headers = {"User-Agent": "kimi-service"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = {"User-Agent": "kimi-service", **bearer(token)}
     # httpx drops Authorization on redirects to another origin (the hub's CDN), as it should.
     return httpx.Client(headers=headers, follow_redirects=True, timeout=httpx.Timeout(60.0, connect=15.0))
 
@@ -308,9 +308,7 @@ class Progress:
             "files_done": self.files_done, "files_total": self.files_total, "current": self.current,
             "rate_bytes_per_s": int(self.done / elapsed), "elapsed_s": round(elapsed, 1),
         }
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(snapshot))
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps(snapshot))
 
 
 def hash_file(path: Path, *, git: bool = False) -> str:
@@ -362,9 +360,7 @@ def write_marker(dest: Path, listing: Listing, source: str, verify: str,
         "version": MARKER_VERSION, "repo": listing.repo, "revision": listing.revision,
         "commit": listing.commit, "source": source, "verify": verify, "files": entries,
     }
-    tmp = dest / (MARKER_NAME + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=1))
-    tmp.replace(dest / MARKER_NAME)
+    write_atomic(dest / MARKER_NAME, json.dumps(marker, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------

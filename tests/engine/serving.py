@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.support.ports import free_port
 from tests.support.tiny_model import SERVED_NAME
 
 READY_TIMEOUT = 240.0
@@ -61,12 +62,6 @@ class NotifyRecorder:
         self._stop.set()
         self._thread.join(timeout=2)
         self.sock.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

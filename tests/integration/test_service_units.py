@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.hosts.nspawn import cache_dir, cache_lock
+from tests.support.ports import free_port
 from tests.support.unit_templates import REPO, UNITS, render, variables
 
 # Measured on Debian 12 (systemd 252): 1.6, 1.4 and 1.5; a change that loosens the sandbox fails here.
@@ -29,12 +29,6 @@ MAX_EXPOSURE = {"kimi-vllm.service": 1.8, "kimi-exporter.service": 1.6, "kimi-he
 # The runtime dependencies of kimi_service for the guest's CPython 3.11, plus pip to install them.
 GUEST_WHEELS = ("pip", "prometheus-client>=0.20", "nvidia-ml-py>=12.535", "PyYAML>=6.0", "httpx>=0.27")
 WHEELS_RECIPE = "1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def guest_wheels(tmp: Path) -> Path:

@@ -21,12 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kimi_service import exporter, health
 from kimi_service import nvml as nvml_reader
 from tests.support.fake_pynvml import FakeNvml, NVMLError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.ports import free_port
 
 
 @pytest.fixture()
@@ -219,7 +214,7 @@ def test_report_status_is_the_worst_check() -> None:
     assert health.HealthReport((ok, skipped)).exit_code == 0
     assert health.HealthReport((ok, degraded)).exit_code == 1
     assert health.HealthReport((degraded, down, ok)).exit_code == 2
-    parsed = json.loads(health.HealthReport((ok, degraded)).to_json())
+    parsed = health.HealthReport((ok, degraded)).to_json()
     assert parsed["status"] == "degraded" and [c["name"] for c in parsed["checks"]] == ["a", "c"]
 
 

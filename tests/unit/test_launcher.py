@@ -268,7 +268,7 @@ def _draining_supervisor(port: int, drain_timeout: float) -> launcher.Supervisor
     config = parse_config({"model": {"path": "/m/tiny"}, "api": {"host": "127.0.0.1", "port": port},
                            "serve": {"probe_interval": 1, "drain_timeout": drain_timeout, "withdraw_delay": 0.3}})
     supervisor = launcher.Supervisor(config, launcher.Launch(argv=[], env={}, plan_document={}), Notifier(None), {})
-    supervisor.child = subprocess.Popen(["sleep", "60"])
+    supervisor.engine.child = subprocess.Popen(["sleep", "60"])
     supervisor.stopping.set()
     return supervisor
 
@@ -304,9 +304,9 @@ def test_the_stop_waits_for_requests_in_flight_within_its_bound(metrics: str, at
             supervisor._withdraw_and_drain(client)
         elapsed = time.monotonic() - started
     finally:
-        assert supervisor.child is not None
-        supervisor.child.kill()
-        supervisor.child.wait()
+        assert supervisor.engine.child is not None
+        supervisor.engine.child.kill()
+        supervisor.engine.child.wait()
         server.close()
     assert at_least <= elapsed <= at_most, elapsed
 
@@ -315,13 +315,13 @@ def test_the_stop_stops_waiting_once_vllm_is_gone() -> None:
     server = _MetricsServer()
     server.text = VLLM_METRICS.replace('model_name="kimi-tiny"} 0.0', 'model_name="kimi-tiny"} 2.0')
     supervisor = _draining_supervisor(server.port, drain_timeout=30)
-    assert supervisor.child is not None
-    threading.Timer(1.0, supervisor.child.kill).start()
+    assert supervisor.engine.child is not None
+    threading.Timer(1.0, supervisor.engine.child.kill).start()
     started = time.monotonic()
     try:
         with httpx.Client() as client:
             supervisor._withdraw_and_drain(client)
     finally:
-        supervisor.child.wait()
+        supervisor.engine.child.wait()
         server.close()
     assert time.monotonic() - started < 5

@@ -15,6 +15,7 @@ from kimi_service.errors import UsageError
 from kimi_service.hardware import GIB, GpuInventory, parse_gpu_spec
 from kimi_service.model import spec_from_catalog
 from kimi_service.planner import check_spans_nodes, plan
+from tests.support.ports import free_port
 
 KIMI = spec_from_catalog(catalog.get("moonshotai/Kimi-K2.5"))
 QWEN = spec_from_catalog(catalog.get("Qwen/Qwen2.5-7B-Instruct"))
@@ -133,13 +134,8 @@ def test_joining_is_seen_as_an_established_connection_to_the_rendezvous():
             assert not launcher.connected_to(_tables(), "127.0.0.2", port)
 
 
-def _free_port() -> int:
-    with _listener() as probe:
-        return probe.getsockname()[1]
-
-
 def test_the_leader_watches_its_followers_health_and_instance():
-    port = _free_port()
+    port = free_port()
     # The follower is this host (127.0.0.1); the leader's own address is never probed.
     cluster = parse_config({**BASE, "api": {"host": "127.0.0.1", "port": port},
                             "cluster": {"node_rank": 1, "addresses": ["127.0.0.2", "127.0.0.1"]}}).cluster

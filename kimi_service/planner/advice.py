@@ -1,0 +1,130 @@
+"""When a model does not fit: how much memory it needs, what is there, and what would fit instead."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+from kimi_service import catalog
+from kimi_service.errors import KimiError
+from kimi_service.hardware import inventory_of, known_gpu
+from kimi_service.model import spec_from_catalog
+from kimi_service.planner.budget import memory_budget
+from kimi_service.planner.fit import Problem, candidates, floor_len, knobs_for, try_fit
+from kimi_service.planner.overrides import Overrides
+from kimi_service.planner.render import gib, size
+
+LARGER_GPUS = ("H200", "B200")
+
+
+class DoesNotFit(KimiError):
+    """The model cannot be served on this hardware; says what is needed and what would fit."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, suggestions: list[str]):
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.suggestions = suggestions
+        text = message
+        if suggestions:
+            text += "\nWould fit:\n" + "\n".join(f"  - {s}" for s in suggestions)
+        super().__init__(text)
+
+
+def _layout_if_fits(problem: Problem) -> str | None:
+    """`TP 8 x PP 2` when the model fits as the planner would plan it without overrides, else None."""
+    found = try_fit(replace(problem, overrides=Overrides()))
+    return found.parallel.describe() if found else None
+
+
+def _more_gpus(problem: Problem) -> Iterator[str]:
+    gpus = problem.gpus
+    for count in (2, 4, 8):
+        if count > gpus.count and (layout := _layout_if_fits(replace(problem, gpus=gpus.with_count(count), nodes=1))):
+            yield f"{count} x {gpus.name} ({layout})"
+            return
+
+
+def _more_nodes(problem: Problem) -> Iterator[str]:
+    per_node = max(problem.gpus.count, 8)
+    node = problem.gpus.with_count(per_node)
+    for more in range(max(problem.nodes, 1) + 1, 5):
+        if layout := _layout_if_fits(replace(problem, gpus=node, nodes=more)):
+            yield f"{more} nodes x {per_node} x {problem.gpus.name} ({layout})"
+            return
+
+
+def _larger_gpus(problem: Problem) -> Iterator[str]:
+    for name in LARGER_GPUS:
+        table = known_gpu(name)
+        if table is None or table.name == problem.gpus.name:
+            continue
+        for count in (1, 2, 4, 8):
+            if layout := _layout_if_fits(replace(problem, gpus=inventory_of(table, count), nodes=1)):
+                yield f"{count} x {table.name} ({layout})"
+                return
+
+
+def _other_models(problem: Problem, found: list[str]) -> list[str]:
+    """A quantized variant of the same family, and the largest smaller catalog model not named yet, that fit."""
+    model, family = problem.model, problem.entry
+    smaller = sorted(
+        (e for e in catalog.ENTRIES if e.repo_id != model.catalog_name and e.weight_bytes < model.weight_bytes),
+        key=lambda e: -e.weight_bytes,
+    )
+
+    def fits(entry: catalog.CatalogEntry) -> bool:
+        other = replace(problem, model=spec_from_catalog(entry), entry=entry, requested_len=None)
+        return _layout_if_fits(other) is not None
+
+    result: list[str] = []
+    for entry in smaller:
+        if family and entry.family == family.family and spec_from_catalog(entry).quantization and fits(entry):
+            result.append(f"{entry.repo_id} on this hardware (a quantized variant, {size(entry.weight_bytes)})")
+            break
+    for entry in smaller:
+        if fits(entry) and not any(entry.repo_id in s for s in [*found, *result]):
+            result.append(f"{entry.repo_id} on this hardware (a smaller catalog model, {size(entry.weight_bytes)})")
+            break
+    return result
+
+
+def suggestions(problem: Problem) -> list[str]:
+    """Configurations that would serve this model (or a catalog alternative that fits this hardware)."""
+    result = list(_more_gpus(problem))
+    if not result:
+        result.extend(_more_nodes(problem))
+    result.extend(_larger_gpus(problem))
+    result.extend(_other_models(problem, found=result))
+    return result
+
+
+def does_not_fit(problem: Problem) -> DoesNotFit:
+    """The error for a model no candidate group serves, sized at the largest group that was tried."""
+    model, gpus, nodes = problem.model, problem.gpus, problem.nodes
+    knobs = knobs_for(problem)
+    groups = candidates(problem)
+    if not groups:
+        return DoesNotFit(
+            f"no tensor-parallel size up to {gpus.count} divides {model.name}'s {model.num_attention_heads} attention "
+            f"heads and {model.num_kv_heads} KV heads",
+            needed_bytes=0,
+            available_bytes=gpus.total_memory_bytes * nodes,
+            suggestions=suggestions(problem),
+        )
+    largest = max(groups, key=lambda group: group.gpus)
+    budget = memory_budget(model, gpus, largest, knobs)
+    length = problem.requested_len or floor_len(model)
+    kv_needed = model.kv_bytes_per_token(largest.tensor, largest.pipeline, knobs.kv_dtype_bytes) * length
+    per_gpu = budget.weights_bytes + budget.reserve_bytes + kv_needed
+    needed = math.ceil(per_gpu * largest.gpus / knobs.utilization)
+    available = gpus.memory_bytes * largest.gpus
+    message = (
+        f"{model.name} does not fit on {problem.hardware}: it needs about {size(needed)} of GPU memory "
+        f"(weights {size(model.weight_bytes)} + per-GPU reserve {gib(budget.reserve_bytes)} + KV cache for one "
+        f"{length:,}-token sequence, at --gpu-memory-utilization {knobs.utilization:.2f}, {largest.describe()}), "
+        f"but the {largest.gpus} GPU(s) have {size(available)}."
+    )
+    return DoesNotFit(message, needed_bytes=needed, available_bytes=available, suggestions=suggestions(problem))

@@ -1,0 +1,120 @@
+"""Bytes on one GPU: weights, what vLLM reserves besides them, and the KV cache that is left.
+
+The memory model follows vLLM's own profiling: KV cache = total x gpu_memory_utilization - (weights +
+peak activation + non-torch memory + CUDA graphs), per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kimi_service.catalog import Speculative
+from kimi_service.hardware import GIB, GpuInventory
+from kimi_service.model import ModelSpec
+
+GPU_MEMORY_UTILIZATION = 0.90  # vLLM's default; the rest is CUDA context and allocator headroom
+NON_TORCH_BYTES = GIB // 2  # cuBLAS/cuDNN workspaces and allocator slack vLLM counts as non-torch memory
+COMM_BYTES = GIB // 2  # NCCL and custom all-reduce buffers, only when GPUs talk to each other
+CUDA_GRAPH_BASE_BYTES = 350 * 2**20
+CUDA_GRAPH_PER_LAYER_BYTES = 8 * 2**20
+ENCODER_BYTES = GIB  # a replicated vision encoder (--mm-encoder-tp-mode data) and its profiling
+DRAFT_BYTES = 2 * GIB  # an EAGLE3 draft head is one layer plus its own KV
+DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default max_num_batched_tokens for the OpenAI server
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes on one GPU (the busiest one of the TP x PP group)."""
+
+    total_bytes: int
+    usable_bytes: int  # total x gpu_memory_utilization
+    weights_bytes: int
+    activation_bytes: int
+    cuda_graph_bytes: int
+    non_torch_bytes: int
+    comm_bytes: int
+    extra_bytes: int  # vision encoder, draft model
+    kv_cache_bytes: int
+
+    @property
+    def reserve_bytes(self) -> int:
+        return (
+            self.activation_bytes
+            + self.cuda_graph_bytes
+            + self.non_torch_bytes
+            + self.comm_bytes
+            + self.extra_bytes
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weights_bytes + self.reserve_bytes + self.kv_cache_bytes
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Everything the budget depends on besides TP/PP, after workload defaults and overrides."""
+
+    utilization: float
+    kv_dtype: str
+    kv_dtype_bytes: int
+    max_num_seqs: int | None
+    batched_tokens: int | None
+    enforce_eager: bool
+    speculative: Speculative | None
+    expert_parallel: bool
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor: int
+    pipeline: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline
+
+    def describe(self) -> str:
+        return f"TP {self.tensor}" + (f" x PP {self.pipeline}" if self.pipeline > 1 else "")
+
+
+def memory_budget(model: ModelSpec, gpus: GpuInventory, parallel: Parallelism, knobs: Knobs) -> MemoryBudget:
+    tp, pp = parallel.tensor, parallel.pipeline
+    total = gpus.memory_bytes
+    usable = int(total * knobs.utilization)
+    # Embeddings and LM head sit on the first and last PP stage; the busiest stage carries one of them.
+    body = max(model.weight_bytes - 2 * model.embedding_bytes, 0)
+    weights = math.ceil(body / (tp * pp)) + math.ceil(model.embedding_bytes * (2 if pp == 1 else 1) / tp)
+    weights = min(weights, math.ceil(model.weight_bytes / tp))
+    tokens = knobs.batched_tokens or DEFAULT_BATCHED_TOKENS
+    seqs = knobs.max_num_seqs or (1024 if total >= 70 * GIB and gpus.compute_capability >= (9, 0) else 256)
+    mlp_width = (model.moe_intermediate_size or model.intermediate_size) * (model.experts_per_token or 1)
+    # Profiling runs one batch of max_num_batched_tokens: hidden states, this rank's MLP slice, and
+    # float32 logits for up to max_num_seqs sequences.
+    activation = tokens * (4 * model.hidden_size + 3 * mlp_width // tp) * 2 + seqs * model.vocab_size * 4
+    graphs = (
+        0
+        if knobs.enforce_eager
+        else CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_PER_LAYER_BYTES * math.ceil(model.num_layers / pp)
+    )
+    comm = COMM_BYTES if tp * pp > 1 else 0
+    extra = (ENCODER_BYTES if model.multimodal else 0) + (DRAFT_BYTES if knobs.speculative else 0)
+    kv = usable - weights - activation - graphs - NON_TORCH_BYTES - comm - extra
+    return MemoryBudget(
+        total_bytes=total,
+        usable_bytes=usable,
+        weights_bytes=weights,
+        activation_bytes=activation,
+        cuda_graph_bytes=graphs,
+        non_torch_bytes=NON_TORCH_BYTES,
+        comm_bytes=comm,
+        extra_bytes=extra,
+        kv_cache_bytes=max(kv, 0),
+    )
+
+
+def kv_tokens(model: ModelSpec, budget: MemoryBudget, parallel: Parallelism, knobs: Knobs) -> int:
+    per_token = model.kv_bytes_per_token(parallel.tensor, parallel.pipeline, knobs.kv_dtype_bytes)
+    # vLLM allocates KV in blocks of 16 tokens.
+    return budget.kv_cache_bytes // (per_token * 16) * 16

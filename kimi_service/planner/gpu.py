@@ -1,0 +1,173 @@
+"""The CUDA engine's flags for a fit: parallelism, context, memory, workload tuning, model needs."""
+
+from __future__ import annotations
+
+import json
+
+from kimi_service import catalog
+from kimi_service.hardware import GpuInventory
+from kimi_service.planner.budget import Knobs, MemoryBudget
+from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
+from kimi_service.planner.fit import Fit, Problem, needs_expert_parallel
+from kimi_service.planner.render import gib
+from kimi_service.workloads import Workload
+
+
+def generation(compute_capability: tuple[int, int]) -> str:
+    if compute_capability >= (10, 0):
+        return catalog.BLACKWELL
+    if compute_capability >= (9, 0):
+        return catalog.HOPPER
+    if compute_capability >= (8, 9):
+        return catalog.ADA
+    return catalog.AMPERE
+
+
+def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Plan:
+    assert fit.budget is not None and fit.knobs is not None
+    draft.flags.extend(endpoint_flags(problem.model, endpoint))
+    _parallel_flags(problem, fit, draft)
+    _length_flag(problem, fit, draft)
+    _memory_flags(fit.budget, fit.knobs, draft)
+    _workload_flags(problem.profile, draft)
+    expert_parallel = _expert_parallel_flag(problem, fit, draft)
+    _model_flags(problem, draft)
+    _speculative_flag(problem, fit, draft)
+    _warnings(problem, fit, draft)
+    return assemble(problem, endpoint, fit, draft, expert_parallel=expert_parallel)
+
+
+def _parallel_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
+    model, tp, pp = problem.model, fit.parallel.tensor, fit.parallel.pipeline
+    assert fit.budget is not None
+    kv_heads = f" and {model.num_kv_heads} KV heads" if model.attention == "gqa" else " (MLA latent KV is per rank)"
+    draft.flags.append(Flag(
+        "--tensor-parallel-size",
+        str(tp),
+        f"smallest TP that fits: {gib(fit.budget.weights_bytes)} of weights per GPU; "
+        f"divides the {model.num_attention_heads} attention heads" + kv_heads,
+    ))
+    if pp > 1:
+        draft.flags.append(
+            Flag("--pipeline-parallel-size", str(pp), f"layers split over {pp} nodes; TP stays inside a node")
+        )
+    elif problem.nodes > 1:
+        draft.warnings.append(
+            f"fits on one node: the other {problem.nodes - 1} node(s) are not needed for this model"
+        )
+
+
+def _length_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
+    model, length, tokens = problem.model, fit.max_model_len, fit.kv_cache_tokens
+    concurrency = fit.max_concurrency
+    len_reason = (
+        "operator's request"
+        if problem.requested_len is not None
+        else "the model's native context"
+        if length == model.native_max_len
+        else f"shortened from native {model.native_max_len:,} so the KV cache holds "
+        f"{min(concurrency, problem.profile.target_concurrency)} full-length sequences"
+    )
+    draft.flags.append(Flag(
+        "--max-model-len",
+        str(length),
+        f"{len_reason}; KV cache holds {tokens:,} tokens = {concurrency} sequences at this length",
+    ))
+
+
+def _memory_flags(budget: MemoryBudget, knobs: Knobs, draft: Draft) -> None:
+    draft.flags.append(Flag(
+        "--gpu-memory-utilization",
+        f"{knobs.utilization:.2f}",
+        f"of {gib(budget.total_bytes)} per GPU: weights {gib(budget.weights_bytes)} + reserve "
+        f"{gib(budget.reserve_bytes)} (activations {gib(budget.activation_bytes)}, CUDA graphs "
+        f"{gib(budget.cuda_graph_bytes)}, non-torch {gib(budget.non_torch_bytes)}, NCCL {gib(budget.comm_bytes)}, "
+        f"encoder/draft {gib(budget.extra_bytes)}) + KV cache {gib(budget.kv_cache_bytes)}",
+    ))
+    if knobs.kv_dtype != "auto":
+        draft.flags.append(
+            Flag("--kv-cache-dtype", knobs.kv_dtype, "FP8 KV halves cache bytes per token; the GPU has FP8")
+        )
+
+
+def _workload_flags(profile: Workload, draft: Draft) -> None:
+    if profile.prefix_caching:
+        draft.flags.append(
+            Flag("--enable-prefix-caching", None, "shared prompt prefixes are computed once and reused")
+        )
+    if profile.max_num_seqs:
+        draft.flags.append(Flag("--max-num-seqs", str(profile.max_num_seqs), f"{profile.name}: {profile.why}"))
+    if profile.max_num_batched_tokens:
+        draft.flags.append(
+            Flag("--max-num-batched-tokens", str(profile.max_num_batched_tokens), f"{profile.name}: {profile.why}")
+        )
+
+
+def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> bool:
+    model, tp = problem.model, fit.parallel.tensor
+    assert fit.knobs is not None
+    expert_parallel = fit.parallel.gpus > 1 and (fit.knobs.expert_parallel or needs_expert_parallel(model, tp))
+    if expert_parallel:
+        why = (
+            "FP8 128-wide expert blocks do not split evenly at this TP: whole experts go to GPUs instead"
+            if needs_expert_parallel(model, tp)
+            else "throughput: whole experts per GPU avoid slicing each expert; pays off at large batches"
+        )
+        draft.flags.append(Flag("--enable-expert-parallel", None, why))
+    elif model.is_moe:
+        draft.reasons["expert-parallel"] = "off: at small batches TP-sliced experts keep all-to-all traffic down"
+    return expert_parallel
+
+
+def _model_flags(problem: Problem, draft: Draft) -> None:
+    entry, gpus = problem.entry, problem.gpus
+    draft.flags.extend(model_flags(problem.model, entry))
+    if entry and (found := generation(gpus.compute_capability)) not in entry.architectures:
+        draft.warnings.append(f"{entry.repo_id} is not known to run on {found} GPUs ({gpus.name}) with vLLM")
+
+
+def _speculative_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
+    assert fit.knobs is not None
+    spec = fit.knobs.speculative
+    if spec:
+        config = json.dumps(
+            {"model": spec.model, "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
+            separators=(",", ":"),
+        )
+        draft.flags.append(
+            Flag("--speculative-config", config, f"latency: {spec.method} draft {spec.model} ({spec.source})")
+        )
+    elif problem.profile.speculative:
+        draft.reasons["speculative"] = (
+            "off: speculative decoding does not combine with pipeline parallelism"
+            if fit.parallel.pipeline > 1
+            else "off: no published draft model for this model in the catalog"
+        )
+
+
+def _warnings(problem: Problem, fit: Fit, draft: Draft) -> None:
+    assert fit.knobs is not None
+    draft.warnings.extend(_architecture_warnings(problem.model.quantization, problem.gpus, fit.knobs))
+    if problem.model.weights_estimated:
+        draft.warnings.append(
+            "weight size estimated from config.json (no safetensors index or files): plan is approximate"
+        )
+    if fit.max_concurrency < problem.profile.target_concurrency:
+        draft.warnings.append(
+            f"the KV cache holds only {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens; "
+            "more GPUs or a shorter --max-model-len allow more concurrent requests"
+        )
+
+
+def _architecture_warnings(quantization: str | None, gpus: GpuInventory, knobs: Knobs) -> list[str]:
+    warnings = []
+    if "fp8" in (quantization or "") and not gpus.fp8:
+        warnings.append(
+            f"{gpus.name} (compute capability {gpus.compute_capability[0]}.{gpus.compute_capability[1]}) has no FP8: "
+            "vLLM runs the FP8 weights through weight-only Marlin kernels (slower than on Hopper/Ada)"
+        )
+    if knobs.kv_dtype.startswith("fp8") and not gpus.fp8:
+        warnings.append(
+            f"FP8 KV cache was asked for but {gpus.name} has no FP8 support; expect errors or slow dequant"
+        )
+    return warnings
