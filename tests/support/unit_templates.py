@@ -28,8 +28,11 @@ def _defaults(role: str) -> dict[str, object]:
 
 
 def variables(install_dir: Path, **extra: object) -> dict[str, object]:
-    return {
-        **_defaults("kimi_common"),
+    common = _defaults("kimi_common")
+    # Paths derived from kimi_persist_root (empty: the usual host paths), evaluated as Ansible would.
+    common["kimi_state_dir"] = jinja2.Environment().from_string(common["kimi_state_dir"]).render(common)
+    values = {
+        **common,
         **_defaults("vllm_service"),
         **_defaults("gpu_exporter"),
         "kimi_served_name": "moonshotai/Kimi-K2.5",
@@ -38,6 +41,13 @@ def variables(install_dir: Path, **extra: object) -> dict[str, object]:
         "_vllm_service_model_bytes": 0,
         **extra,
     } | {"_vllm_service_start_timeout": start_timeout(int(extra.get("_vllm_service_model_bytes", 0)))}
+    return values | {"_vllm_service_stop_window": _role_var("_vllm_service_stop_window", values)}
+
+
+def _role_var(name: str, values: dict[str, object]) -> int:
+    """A derived value of vllm_service's vars/main.yml, evaluated as Ansible would."""
+    role_vars = yaml.safe_load((REPO / "roles" / "vllm_service" / "vars" / "main.yml").read_text())
+    return int(jinja2.Environment().from_string(role_vars[name]).render(values))
 
 
 def start_timeout(model_bytes: int) -> int:
