@@ -16,6 +16,11 @@ ROLES = ROOT / "roles"
 GROUP_RESTART = ["Stop the group's leader first", "Restart the group's followers", "Restart the group's leader"]
 
 
+
+def _plays(name: str) -> list[dict]:
+    """The plays of a playbook, without the imported inventory play every entry playbook starts with."""
+    return [p for p in yaml.safe_load((ROOT / "playbooks" / name).read_text()) if "hosts" in p]
+
 def _in_cluster(host: str, cluster_group: str, groups: dict) -> bool:
     """Evaluate the one membership test (kimi_common's kimi_cluster_member) the way Ansible does."""
     loader = DataLoader()
@@ -70,7 +75,7 @@ def test_the_ordered_group_restart_lives_in_one_task_file():
 
 
 def test_upgrade_takes_single_hosts_one_at_a_time_and_a_cluster_group_in_one_batch():
-    plays = {play["hosts"]: play for play in yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())}
+    plays = {play["hosts"]: play for play in _plays("upgrade.yml")}
     assert plays["kimi_hosts:&kimi_upgrade_single"]["serial"] == 1
     assert "serial" not in plays["kimi_hosts:&kimi_upgrade_clusters"]
     assert list(plays) == ["kimi_hosts", "kimi_hosts:&kimi_upgrade_single", "kimi_hosts:&kimi_upgrade_clusters"]
@@ -86,7 +91,7 @@ def test_upgrade_goes_through_the_hosts_in_inventory_order_whoever_answers_first
         yaml.safe_dump({"kimi_hosts": {"hosts": {"gpu-1": {}, "gpu-2": {}, "gpu-3": {}}}})
     )
     inventory = InventoryManager(loader=DataLoader(), sources=[str(tmp_path / "hosts.yml")])
-    plays = yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())
+    plays = _plays("upgrade.yml")
     for group in ("kimi_upgrade_single", "kimi_upgrade_clusters"):
         inventory.add_group(group)
         for host in answered_first:
@@ -98,14 +103,17 @@ def test_upgrade_goes_through_the_hosts_in_inventory_order_whoever_answers_first
 def test_a_single_host_that_does_not_start_on_its_previous_runtime_is_reported_and_stays_out():
     # The roll-back's restart gets a second start; when that fails too, the play says the host does not
     # serve (instead of "back on … and serving") before it would be put back into the load balancer.
-    single = next(p for p in yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())
-                  if p["hosts"] == "kimi_hosts:&kimi_upgrade_single")
+    single = next(p for p in _plays("upgrade.yml") if p["hosts"] == "kimi_hosts:&kimi_upgrade_single")
     block = next(t for t in single["tasks"] if "rescue" in t)
     names = [t["name"] for t in block["rescue"]]
-    restart = next(t for t in block["rescue"] if "ansible.builtin.systemd_service" in t)
-    assert restart["retries"] >= 1 and restart["ignore_errors"] is True
-    assert restart["until"] == f"{restart['register']} is succeeded"
-    not_serving = next(t for t in block["rescue"] if t.get("when") == f"{restart['register']} is failed")
+    # The restart goes through vllm_service's entry point (either service manager) with a second start,
+    # and its failure is caught and recorded.
+    restart = next(t for t in block["rescue"] if "block" in t)
+    include = restart["block"][0]
+    assert include["ansible.builtin.include_role"] == {"name": "vllm_service", "tasks_from": "restart"}
+    assert include["vars"]["kimi_vllm_restart_retries"] >= 1
+    recorded = next(iter(restart["rescue"][0]["ansible.builtin.set_fact"]))
+    not_serving = next(t for t in block["rescue"] if t.get("when") == f"{recorded} is defined")
     assert "not serving" in not_serving["ansible.builtin.fail"]["msg"]
     order = [names.index(restart["name"]), names.index(not_serving["name"]),
              names.index("Put this replica, serving its previous version again, back into the load balancer")]
