@@ -134,7 +134,8 @@ def test_serve_reports_a_planning_failure_to_systemd_and_exits_with_its_code(tmp
     receiver.bind(str(notify))
     receiver.settimeout(2)
     config = tmp_path / "config.yaml"
-    config.write_text(f"model:\n  path: {tmp_path}/no-such-model\nplan:\n  engine: cpu\n")
+    config.write_text(f"model:\n  path: {tmp_path}/no-such-model\nplan:\n  engine: cpu\n"
+                      f"paths:\n  state_dir: {tmp_path}/state\n  tmp_dir: /tmp/kimi\n")
     monkeypatch.setenv("NOTIFY_SOCKET", str(notify))
     try:
         code = cli.main(["serve", "--config", str(config)])
@@ -145,6 +146,8 @@ def test_serve_reports_a_planning_failure_to_systemd_and_exits_with_its_code(tmp
     assert messages[0] == "STATUS=planning"
     assert messages[1].startswith("STATUS=failed: model.path: ") and "no-such-model" in messages[1]
     assert "Traceback" not in capsys.readouterr().err
+    # What `kimi-service ctl start` prints when a start fails before vLLM even runs.
+    assert (tmp_path / "state" / "last-failure").read_text().startswith("model.path: ")
 
 
 VLLM_METRICS = """\
