@@ -24,6 +24,7 @@ from kimi_service.launcher.engine import EngineApi, EngineProcess, Pace, watchdo
 from kimi_service.launcher.follower import run_follower
 from kimi_service.launcher.launch import Launch, prepare, write_plan
 from kimi_service.launcher.process import EngineGroupRecord
+from kimi_service.launcher.sockets import waiting_connections
 from kimi_service.launcher.status import Readiness, status_server
 from kimi_service.sdnotify import Notifier
 
@@ -207,14 +208,11 @@ class Supervisor:
                 return
             time.sleep(min(0.5, max(0.0, end - time.monotonic())))
         deadline = time.monotonic() + serve.drain_timeout
+        idle_polls = 0
         while True:
-            try:
-                in_flight = self.api.requests_held(client)
-            except httpx.HTTPError:
-                in_flight = -1  # a busy engine may answer slowly: unknown is not idle
-            except ValueError:
-                return  # nothing to go by: vLLM's own shutdown drain is all there is
-            if in_flight == 0 or in_flight is None:
+            in_flight = self._held(client)
+            idle_polls = idle_polls + 1 if in_flight == 0 else 0
+            if idle_polls >= 2:  # two looks 0.5 s apart: a request between two reads is seen by the second
                 return
             count = "unknown (vLLM did not answer /metrics or /load)" if in_flight < 0 else str(in_flight)
             if time.monotonic() >= deadline:
@@ -225,6 +223,18 @@ class Supervisor:
             if not self._keep_alive():
                 return
             time.sleep(0.5)
+
+    def _held(self, client: httpx.Client) -> int:
+        """Requests vLLM holds (its /load and /metrics) plus connections to its port it has not read yet
+        (the kernel's accept queue, unread bytes); -1 when vLLM does not answer."""
+        waiting = waiting_connections(self.config.api.port) or 0
+        try:
+            held = self.api.requests_held(client)
+        except httpx.HTTPError:
+            return -1  # a busy engine may answer slowly: unknown is not idle
+        except ValueError:
+            held = None  # no metrics to go by: the sockets are all there is
+        return (held or 0) + waiting
 
     def _keep_alive(self) -> bool:
         """While a stop drains: False once vLLM is gone (nothing left to wait for), else ping the
