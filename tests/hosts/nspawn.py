@@ -275,6 +275,8 @@ class TestHost:
     systemd: bool = True
     # Host directories bind-mounted into the guest, as "HOST:GUEST" (a rental's persistent volume).
     binds: tuple[str, ...] = ()
+    # Without systemd: a shell command run before sshd, as a rental runs its provider start command.
+    start_command: str = ""
 
     # --- paths -------------------------------------------------------------------------------
     @property
@@ -311,7 +313,7 @@ class TestHost:
     @classmethod
     def create(
         cls, name: str, *, network: Network | None = None, index: int = 0, layers: tuple[Path, ...] = (),
-        systemd: bool = True, binds: tuple[str, ...] = (),
+        systemd: bool = True, binds: tuple[str, ...] = (), start_command: str = "",
     ) -> TestHost:
         """A host on a fresh overlay of the root image, with `layers` (captured hosts, newest first)
         stacked over the root: it boots as those hosts were when they were captured."""
@@ -329,10 +331,11 @@ class TestHost:
             netns=netns,
             systemd=systemd,
             binds=tuple(binds),
+            start_command=start_command,
         )
         host.state_file.write_text(json.dumps({
             "name": name, "address": host.address, "ssh_port": host.ssh_port, "netns": netns,
-            "systemd": systemd, "binds": list(binds),
+            "systemd": systemd, "binds": list(binds), "start_command": start_command,
         }))
         for sub in ("upper", "work", "merged"):
             (workdir / sub).mkdir()
@@ -350,7 +353,7 @@ class TestHost:
         state = json.loads((workdir / "host.json").read_text())
         return cls(name=state["name"], address=state["address"], ssh_port=state["ssh_port"],
                    workdir=workdir, netns=state["netns"], systemd=state.get("systemd", True),
-                   binds=tuple(state.get("binds", ())))
+                   binds=tuple(state.get("binds", ())), start_command=state.get("start_command", ""))
 
     def _personalise(self) -> None:
         root = self.merged
@@ -406,8 +409,9 @@ class TestHost:
         else:
             # As a rented container is started: no systemd, no network administration, one foreground
             # process (here sshd, so the play can reach it).
+            before = f"{self.start_command}; " if self.start_command else ""
             argv += ["--as-pid2", "--console=pipe", "--", "/bin/sh", "-c",
-                     "mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e"]
+                     f"{before}mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e"]
         cgroups = self.cgroups()
         for cgroup in cgroups:
             cgroup.mkdir(parents=True, exist_ok=True)

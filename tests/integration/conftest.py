@@ -102,6 +102,32 @@ def testhost_inventory(testhost, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def make_containers(request) -> Iterator[Callable[..., TestHost]]:
+    """A factory: make_containers(persist_dir) boots a host shaped like a rented container (no systemd, no
+    network administration) in a network namespace of its own, with `persist_dir` bind-mounted at
+    /workspace. Calling it again with the same directory is the container restarted: a fresh root, the
+    same volume, `start_command` run before sshd (the provider's start command)."""
+    _require_root()
+    network = Network.create()
+    hosts: list[TestHost] = []
+
+    def factory(persist_dir: Path, start_command: str = "") -> TestHost:
+        for old in hosts:
+            old.stop()
+        host = TestHost.create(f"kt-{network.name}-c{len(hosts)}", network=network, index=len(hosts),
+                               systemd=False, binds=(f"{persist_dir}:/workspace",), start_command=start_command)
+        hosts.append(host)
+        host.start()
+        return host
+
+    yield factory
+    try:
+        _teardown(hosts, request.module.__name__)
+    finally:
+        network.destroy()
+
+
+@pytest.fixture(scope="module")
 def make_hosts(request) -> Iterator[Callable[..., list[TestHost]]]:
     """A factory: make_hosts(n) boots n hosts in separate network namespaces on one bridge."""
     _require_root()

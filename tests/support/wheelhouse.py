@@ -7,6 +7,7 @@ the runtime stage installs from this directory with --no-index, as an air-gapped
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import cache_dir, cache_lock, write_inventory
 
 ENGINE_VERSION = "0.32.0"
+# Bump when playbooks/wheelhouse.yml's package list changes (r2: supervisor), so checkouts of different
+# lists sharing the cache each keep a directory of their own instead of rebuilding one another's.
+RECIPE = "r2"
+PREVIOUS = ""
 GUEST_PYTHON = "3.11"  # Debian 12
 GUEST_GLIBC = "2.36"
 
@@ -34,8 +39,9 @@ def wheelhouse_vars(path: Path) -> dict:
 
 
 def ensure_cpu_wheelhouse() -> Path:
-    path = cache_dir() / f"wheelhouse-cpu-{ENGINE_VERSION}-py{GUEST_PYTHON}"
+    path = cache_dir() / f"wheelhouse-cpu-{ENGINE_VERSION}-py{GUEST_PYTHON}-{RECIPE}"
     with cache_lock(path.parent / f"{path.name}.lock"), tempfile.TemporaryDirectory() as scratch:
+        _seed(path)
         inventory = write_inventory(Path(scratch) / "hosts.yml", [])
         run = ansible_playbook("playbooks/wheelhouse.yml", inventory, extra_vars={
             **wheelhouse_vars(path),
@@ -45,3 +51,17 @@ def ensure_cpu_wheelhouse() -> Path:
     if run.returncode != 0:
         raise WheelhouseError(str(run))
     return path
+
+
+def _seed(path: Path) -> None:
+    """Start a new recipe's directory from the previous one's wheels (hard links: instant), so only what
+    the new list adds is downloaded."""
+    previous = path.with_name(f"wheelhouse-cpu-{ENGINE_VERSION}-py{GUEST_PYTHON}{PREVIOUS}")
+    if path.exists() or not previous.is_dir():
+        return
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    for wheel in previous.glob("*.whl"):
+        os.link(wheel, partial / wheel.name)
+    partial.rename(path)
