@@ -77,15 +77,19 @@ def _boot(host: TestHost) -> TestHost:
     return host
 
 
-def _teardown(hosts: list[TestHost], module_name: str) -> None:
+def _teardown(hosts: list[TestHost], module_name: str, networks: Collection[Network] = ()) -> None:
     try:
         if module_name in _failed_nodes:
             for host in hosts:
                 print(f"\n===== diagnostics of {host.name} (a test in {module_name} failed) =====")
                 print(host.diagnostics())
     finally:
-        for host in hosts:
-            host.stop()
+        try:
+            for host in hosts:
+                host.stop()
+        finally:
+            for network in networks:
+                network.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +125,7 @@ def make_containers(request) -> Iterator[Callable[..., TestHost]]:
         return host
 
     yield factory
-    try:
-        _teardown(hosts, request.module.__name__)
-    finally:
-        network.destroy()
+    _teardown(hosts, request.module.__name__, [network])
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +148,4 @@ def make_hosts(request) -> Iterator[Callable[..., list[TestHost]]]:
         return booted
 
     yield factory
-    try:
-        _teardown(hosts, request.module.__name__)
-    finally:
-        for network in networks:
-            network.destroy()
+    _teardown(hosts, request.module.__name__, networks)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.hosts.ansible import PlaybookRun, ansible_playbook
 from tests.hosts.nspawn import TestHost, write_inventory
-from tests.support.cpu_site import API_KEY, REPO, SERVED, cpu_site_vars
+from tests.support.cpu_site import API_KEY, REPO, SERVED, cpu_site_vars, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
@@ -125,12 +125,7 @@ def test_second_run_changes_nothing(first_converge, pod):
 
 
 def test_openai_client_streams_with_the_key_and_is_refused_without(first_converge, pod):
-    client = openai.OpenAI(base_url=f"{pod.api}/v1", api_key=API_KEY)
-    stream = client.chat.completions.create(
-        model=SERVED, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True,
-    )
-    pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
-    assert pieces, "the streamed completion carried no text"
+    assert stream_chat(pod.api), "the streamed completion carried no text"
     assert httpx.get(f"{pod.api}/v1/models", timeout=10).status_code == 401, "a request without the key was served"
 
 

@@ -18,7 +18,7 @@ import testinfra
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import _ssh_keypair, write_inventory
-from tests.support.cpu_site import API_KEY, HF_TOKEN, REPO, SERVED, cpu_site_vars
+from tests.support.cpu_site import API_KEY, HF_TOKEN, REPO, SERVED, cpu_site_vars, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
@@ -111,12 +111,7 @@ def test_check_mode_reports_nothing_to_change(first_converge, inventory):
 
 
 def test_openai_client_streams_with_the_key_and_is_refused_without(first_converge, api):
-    client = openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY)
-    stream = client.chat.completions.create(
-        model=SERVED, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True,
-    )
-    pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
-    assert pieces
+    assert stream_chat(api)
     assert httpx.get(f"{api}/v1/models", timeout=10).status_code == 401
     wrong = openai.OpenAI(base_url=f"{api}/v1", api_key="sk-wrong")
     with pytest.raises(openai.AuthenticationError):

@@ -65,3 +65,14 @@ def converge_site(inventory: Path, what: str) -> PlaybookRun:
     print(f"\nfirst converge of {what}: {time.monotonic() - started:.0f} s")
     assert run.returncode == 0, str(run)
     return run
+
+
+def stream_chat(api: str) -> list[str]:
+    """The text pieces of one streamed chat completion with the API key (the OpenAI client, as users call it)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY)
+    stream = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True,
+    )
+    return [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
