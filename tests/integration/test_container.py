@@ -90,7 +90,7 @@ def _wait_serving(pod: Pod, old_serve_pid: int, timeout: float = 300) -> None:
             except httpx.HTTPError:
                 pass
         time.sleep(2)
-    log = pod.host.ssh(f"tail -n 60 {LOG}", check=False).stdout
+    log = pod.host.ssh(f"cat /var/log/kimi-start.log; tail -n 60 {LOG}", check=False).stdout
     status = pod.host.ssh(f"{SUPERVISORCTL} status", check=False).stdout
     raise AssertionError(f"kimi-vllm did not serve again within {timeout:.0f} s\n{status}\n{log}")
 
@@ -167,7 +167,9 @@ def test_restarted_container_serves_again_from_its_start_script(first_converge, 
     model_before = pod.host.ssh(f"stat -c %Y {MODEL}").stdout.strip()
     venv_before = pod.host.ssh(f"readlink {ROOT}/install/venv").stdout.strip()
     started = time.monotonic()
-    pod.host = make_containers(persist_dir, start_command=f"{START} --background")
+    # As `START --background; <the image's own command>` at the provider; here in the background so sshd (the
+    # image's command) answers while the fresh root installs the runtime's system packages again.
+    pod.host = make_containers(persist_dir, start_command=f"({START} --background >/var/log/kimi-start.log 2>&1 &)")
     write_inventory(pod.inventory, [pod.host], extra_vars=_vars_of(pod.inventory))
     _wait_serving(pod, 0, timeout=600)
     print(f"\ncontainer restart to serving: {time.monotonic() - started:.0f} s")
