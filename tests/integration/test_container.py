@@ -70,7 +70,9 @@ def first_converge(pod) -> PlaybookRun:
 
 
 def _serve_pid(host: TestHost) -> int:
-    return int(host.ssh(f"{SUPERVISORCTL} pid kimi-vllm").stdout.strip() or 0)
+    """serve's pid under supervisord; 0 while supervisord does not answer (a container still starting)."""
+    answer = host.ssh(f"{SUPERVISORCTL} pid kimi-vllm", check=False).stdout.strip()
+    return int(answer) if answer.isdigit() else 0
 
 
 def _engine_pid(host: TestHost) -> int:
@@ -82,8 +84,7 @@ def _wait_serving(pod: Pod, old_serve_pid: int, timeout: float = 300) -> None:
     """supervisord runs a new `serve` and its /ready answers 200."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pid = _serve_pid(pod.host) if pod.host.ssh("true", check=False).returncode == 0 else 0
-        if pid not in (0, old_serve_pid):
+        if _serve_pid(pod.host) not in (0, old_serve_pid):
             try:
                 if httpx.get(f"http://{pod.host.address}:8001/ready", timeout=5).status_code == 200:
                     return
