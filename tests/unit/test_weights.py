@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from kimi_service import weights
 from kimi_service.cli import main
-from tests.support.hub_server import Fault, HubServer
+from tests.support.hub_server import Fault, HubServer, write_test_model
 
 REPO = "kimi-test/tiny"
 BIG = "model.safetensors"
@@ -19,13 +18,7 @@ BIG = "model.safetensors"
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    root = tmp_path / "repo"
-    (root / "sub").mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
-    (root / BIG).write_bytes(os.urandom(3 * 1024 * 1024 + 17))  # above the hub's LFS threshold
-    (root / "tokenizer.json").write_text("{}" * 1000)
-    (root / "sub" / "extra.bin").write_bytes(os.urandom(1500))
-    return root
+    return write_test_model(tmp_path / "repo")
 
 
 @pytest.fixture
@@ -115,12 +108,23 @@ def test_corruption_in_a_small_git_file_is_caught_by_its_blob_id(hub, model_dir,
     _same_tree(model_dir, dest)
 
 
-def test_size_only_verification_does_not_hash(hub, tmp_path):
-    """Documents the trade-off of verify=size: same-size corruption is not detected."""
+def test_a_published_hash_is_checked_for_downloads_even_when_verifying_sizes_only(hub, model_dir, tmp_path):
+    """verify=size spares hashing files a marker recorded; what a run downloads is checked against the
+    hash the listing publishes (LFS sha256, git blob id) whatever the mode."""
     hub.faults[BIG] = Fault(corrupt=True)
-    weights.fetch(_request(hub, dest := tmp_path / "m", verify="size"))
-    assert len(hub.gets(BIG)) == 1
+    weights.fetch(_request(hub, dest := tmp_path / "m", verify="size"), sleep=lambda _: None)
+    assert len(hub.gets(BIG)) == 2
+    _same_tree(model_dir, dest)
     marker = json.loads((dest / weights.MARKER_NAME).read_text())
+    assert {e["verified"] for e in marker["files"]} == {"full"}
+
+
+def test_size_only_verification_trusts_a_source_without_hashes(model_dir, tmp_path):
+    """Documents the trade-off of verify=size where nothing is published: sizes only, no hashing."""
+    request = weights.FetchRequest(source="local", repo=REPO, revision="main", dest=tmp_path / "m",
+                                   local_path=model_dir, verify="size")
+    weights.fetch(request)
+    marker = json.loads((tmp_path / "m" / weights.MARKER_NAME).read_text())
     assert {e["verified"] for e in marker["files"]} == {"size"}
 
 
