@@ -128,20 +128,7 @@ class SafeDir:
 
     def open_read(self, rel: str) -> int | None:
         """A read fd of the plain file at `rel`; None when it is missing or not a plain file."""
-        parent_rel, name = _split(rel)
-        parent = self.subdir(parent_rel, create=False)
-        if parent is None:
-            return None
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ELOOP):
-                return None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
-        return fd
+        return self._open_plain(rel, os.O_RDONLY, ours=False)
 
     def create(self, rel: str, mode: int = 0o644) -> int:
         """A write fd of a new, empty plain file at `rel`; whatever was there is removed first."""
@@ -156,18 +143,22 @@ class SafeDir:
 
     def reopen(self, rel: str) -> int | None:
         """A write fd of an existing file we made (plain, ours, one link); None otherwise."""
+        return self._open_plain(rel, os.O_WRONLY, ours=True)
+
+    def _open_plain(self, rel: str, mode: int, *, ours: bool) -> int | None:
         parent_rel, name = _split(rel)
         parent = self.subdir(parent_rel, create=False)
         if parent is None:
             return None
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+            # O_NONBLOCK: a FIFO planted here must not hang the run.
+            fd = os.open(name, mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 return None
             raise
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        if not stat.S_ISREG(st.st_mode) or (ours and (st.st_uid != os.geteuid() or st.st_nlink != 1)):
             os.close(fd)
             return None
         return fd

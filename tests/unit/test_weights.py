@@ -10,33 +10,12 @@ import pytest
 
 from kimi_service import weights
 from kimi_service.cli import main
-from tests.support.hub_server import Fault, HubServer, write_test_model
+from tests.support import weights_fixtures
+from tests.support.hub_server import Fault, HubServer
+from tests.support.weights_fixtures import BIG, REPO
 
-REPO = "kimi-test/tiny"
-BIG = "model.safetensors"
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    return write_test_model(tmp_path / "repo")
-
-
-@pytest.fixture
-def hub(model_dir):
-    with HubServer(root=model_dir, repo=REPO) as server:
-        yield server
-
-
-def _request(hub: HubServer, dest: Path, **kw) -> weights.FetchRequest:
-    kw.setdefault("verify", "full")
-    return weights.FetchRequest(source="hf", repo=REPO, revision="main", dest=dest, endpoint=hub.url, **kw)
-
-
-def _same_tree(a: Path, b: Path) -> None:
-    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert files, "empty source tree"
-    for rel in files:
-        assert (b / rel).read_bytes() == (a / rel).read_bytes(), rel
+model_dir, hub = weights_fixtures.model_dir, weights_fixtures.hub
+_request, _same_tree = weights_fixtures.hf_request, weights_fixtures.same_tree
 
 
 def test_fetch_downloads_every_file_and_writes_a_marker(hub, model_dir, tmp_path):

@@ -14,21 +14,15 @@ import pytest
 
 from kimi_service import weights
 from kimi_service.cli import main
-from tests.support.hub_server import Fault, HubServer, write_test_model
-from tests.unit.test_weights import BIG, REPO, _request, _same_tree
+from tests.support import weights_fixtures
+from tests.support.hub_server import Fault, HubServer
+from tests.support.weights_fixtures import BIG, REPO
+
+model_dir, hub = weights_fixtures.model_dir, weights_fixtures.hub
+_request, _same_tree = weights_fixtures.hf_request, weights_fixtures.same_tree
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files as another user")
 
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    return write_test_model(tmp_path / "repo")
-
-
-@pytest.fixture
-def hub(model_dir):
-    with HubServer(root=model_dir, repo=REPO) as server:
-        yield server
 
 
 @pytest.fixture

@@ -16,21 +16,14 @@ from pathlib import Path
 import pytest
 
 from kimi_service import weights
-from tests.support.hub_server import Fault, HubServer, write_test_model
-from tests.unit.test_weights import BIG, REPO, _request, _same_tree
+from tests.support import weights_fixtures
+from tests.support.hub_server import Fault, HubServer
+from tests.support.weights_fixtures import BIG, REPO
+
+model_dir, hub = weights_fixtures.model_dir, weights_fixtures.hub
+_request, _same_tree = weights_fixtures.hf_request, weights_fixtures.same_tree
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    return write_test_model(tmp_path / "repo")
-
-
-@pytest.fixture
-def hub(model_dir):
-    with HubServer(root=model_dir, repo=REPO) as server:
-        yield server
 
 
 def _ranges(size: int, step: int) -> list[str]:
@@ -125,7 +118,7 @@ def _missing(dest: Path) -> dict[int, int]:
 
 
 def test_a_server_that_ignores_ranges_gets_one_stream(model_dir, tmp_path):
-    """python -m http.server (the fan-out) honours Range; a server that does not still works."""
+    """python -m http.server, which serves the fan-out, answers every Range with the whole file."""
     with HubServer(root=model_dir, repo=REPO) as hub:
         hub.ignore_ranges = True
         weights.fetch(_request(hub, tmp_path / "m", connections=4, range_size=MIB))
