@@ -11,7 +11,16 @@ from kimi_service.errors import KimiError
 from kimi_service.hardware import inventory_of, known_gpu
 from kimi_service.model import spec_from_catalog
 from kimi_service.planner.budget import memory_budget
-from kimi_service.planner.fit import Problem, candidates, floor_len, knobs_for, sequence_bytes, try_fit
+from kimi_service.planner.fit import (
+    LONG_PREFILL_TOKENS,
+    Problem,
+    candidates,
+    floor_len,
+    knobs_for,
+    long_prefill,
+    sequence_bytes,
+    try_fit,
+)
 from kimi_service.planner.overrides import Overrides
 from kimi_service.planner.render import gib, size
 
@@ -138,8 +147,10 @@ def does_not_fit(problem: Problem) -> DoesNotFit:
             suggestions=suggestions(problem),
         )
     largest = max(groups, key=lambda group: group.gpus)
-    budget = memory_budget(model, gpus, largest, knobs)
     length = problem.requested_len or floor_len(model)
+    if model.dual_chunk_attention and length > LONG_PREFILL_TOKENS:
+        knobs = long_prefill(knobs, problem.overrides)
+    budget = memory_budget(model, gpus, largest, knobs)
     least = max(problem.profile.min_concurrency, 1)
     kv_needed = sequence_bytes(model, largest, knobs, length) * least
     per_gpu = budget.weights_bytes + budget.reserve_bytes + kv_needed
