@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     _add_serve(commands)
     _add_health(commands)
+    _add_smoke(commands)
+    _add_ctl(commands)
     _add_exporter(commands)
     _add_fetch(commands)
     _add_gpus(commands)
@@ -166,10 +169,17 @@ def _config_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(commands) -> None:
-    serve = commands.add_parser("serve", help="plan and run vLLM under systemd (Type=notify)",
+    serve = commands.add_parser("serve", help="plan and run vLLM under systemd (Type=notify) or supervisord",
                                 description="Plan from the hardware and model, run the vLLM OpenAI "
-                                "server, report readiness and watchdog pings to systemd.")
+                                "server, report readiness and watchdog pings to systemd; without systemd's "
+                                "watchdog, watch the engine itself (serve.watchdog_sec).")
     _config_arg(serve)
+    serve.add_argument("--env-file", type=Path, metavar="FILE",
+                       help="systemd EnvironmentFile to read first (VLLM_API_KEY, HF_TOKEN ...): its variables "
+                       "reach the engine's environment as EnvironmentFile= would set them")
+    serve.add_argument("--user", metavar="NAME",
+                       help="started as root: become NAME after reading --env-file, before planning or "
+                       "starting anything (not root: only the current user is accepted)")
     serve.add_argument("--check", action="store_true",
                        help="validate the config, inspect the model and plan, print the command; start nothing")
     serve.set_defaults(handler=_run_serve)
@@ -177,8 +187,15 @@ def _add_serve(commands) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from kimi_service import config, launcher
+    from kimi_service.launcher import identity
 
+    if not args.check:
+        _log_to_journal()
     loaded = config.load_config(args.config)
+    if args.env_file:
+        identity.load_env_file(args.env_file)
+    if args.user:
+        identity.become_user(args.user, own_dirs=[loaded.paths.plan_file.parent, loaded.paths.state_dir])
     if args.check:
         launch = launcher.prepare(loaded)
         plan = launch.plan_document
@@ -188,7 +205,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         if plan.get("extra_env"):
             print("with plan.extra_env: " + ", ".join(plan["extra_env"]))
         return 0
-    _log_to_journal()
     return launcher.serve(loaded)
 
 
@@ -202,6 +218,9 @@ def _add_health(commands) -> None:
                        help="retry until healthy or this many seconds pass")
     check.add_argument("--no-smoke", action="store_true", help="skip the smoke chat completion")
     check.add_argument("--no-gpu", action="store_true", help="skip the NVML checks")
+    check.add_argument("--every", type=float, metavar="SECONDS",
+                       help="loop: check every SECONDS forever, one log line per result (what kimi-health.timer "
+                       "does under systemd, for supervisord); stops on SIGTERM with exit 0")
     _env_file_arg(check)
     check.set_defaults(handler=_run_health)
 
@@ -220,10 +239,105 @@ def _run_health(args: argparse.Namespace) -> int:
         smoke_max_tokens=cfg.health.smoke_max_tokens if cfg else 4,
         follower=bool(cfg and cfg.cluster and not cfg.cluster.is_leader and not args.url),
     )
-    report = health.wait_for_health(target, args.wait, gpus=not args.no_gpu,
-                                    expect_gpus=bool(cfg and cfg.plan.engine == "cuda"))
+    options = {"gpus": not args.no_gpu, "expect_gpus": bool(cfg and cfg.plan.engine == "cuda")}
+    if args.every is not None:
+        if args.every <= 0:
+            raise UsageError(f"--every {args.every}: give a number of seconds > 0")
+        return _health_every(target, args, options)
+    report = health.wait_for_health(target, args.wait, **options)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.to_text())
     return report.exit_code
+
+
+def _health_every(target, args: argparse.Namespace, options: dict) -> int:
+    """One check every --every seconds until SIGTERM; each result one line, time-stamped (supervisord's
+    log files carry no time of their own)."""
+    import logging
+    import signal
+    import threading
+
+    from kimi_service import health
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout, force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        started = time.monotonic()
+        report = health.wait_for_health(target, args.wait, **options)
+        line = json.dumps({"time": time.time(), **report.to_json()}) if args.json else report.to_line()
+        logging.getLogger("kimi_service.health").info("%s", line)
+        stop.wait(max(0.0, args.every - (time.monotonic() - started)))
+    return 0
+
+
+def _add_smoke(commands) -> None:
+    smoke = commands.add_parser("smoke", help="one chat completion, the key from the env file (exit 0 ok, 1 failed)",
+                                description="Send one chat completion the way a client would, with VLLM_API_KEY "
+                                "from the environment or --env-file (never from argv), and report its latency "
+                                "and the start of the reply.")
+    smoke.add_argument("--url", default="http://127.0.0.1:8000", help="API base URL (default http://127.0.0.1:8000)")
+    _env_file_arg(smoke)
+    smoke.add_argument("--model", help="served model name (default: the first /v1/models lists)")
+    smoke.add_argument("--max-tokens", type=int, default=8, help="tokens to ask for (default 8)")
+    smoke.add_argument("--timeout", type=float, default=60.0, help="seconds the completion may take (default 60)")
+    smoke.add_argument("--json", action="store_true", help="print the result as JSON")
+    smoke.set_defaults(handler=_run_smoke)
+
+
+def _run_smoke(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kimi_service import health
+    from kimi_service.credentials import API_KEY_VAR
+
+    target = health.Target(url=args.url.rstrip("/"), served_name=args.model, api_key=_secret(args, API_KEY_VAR),
+                           timeout=args.timeout, smoke_max_tokens=args.max_tokens)
+    with httpx.Client() as client:
+        model = args.model or health.served_model(client, target)
+        if model is None:
+            result = health.SmokeResult(False, target.url, "", None, None, None, None,
+                                        f"{target.url}/v1/models named no model (unreachable, or a wrong key); "
+                                        "pass --model")
+        else:
+            result = health.smoke_completion(client, target, model)
+    print(json.dumps(result.to_json()) if args.json else result.to_text())
+    return 0 if result.ok else 1
+
+
+def _add_ctl(commands) -> None:
+    from kimi_service import ctl
+
+    control = commands.add_parser(
+        "ctl", help="start, stop, restart or show the services under systemd or supervisord",
+        description="The same verbs on either service manager: systemctl where systemd runs the host, "
+        "supervisorctl otherwise. start/restart of kimi-vllm waits for serve's /ready and, when the start "
+        "fails, prints the engine's own first error and where the log is. status exits 0 when all run, 3 not.")
+    control.add_argument("action", choices=["start", "stop", "restart", "status"])
+    control.add_argument("programs", nargs="*", metavar="PROGRAM",
+                         help=f"any of {', '.join(ctl.PROGRAMS)} (default: all three)")
+    _config_arg(control)
+    control.add_argument("--wait", type=float, metavar="SECONDS",
+                         help="how long a start of kimi-vllm waits for /ready (default serve.startup_timeout; 0: "
+                         "do not wait)")
+    control.add_argument("--manager", choices=["auto", "systemd", "supervisord"], default="auto",
+                         help="service manager (default auto: systemd when /run/systemd/system exists)")
+    control.add_argument("--supervisor-conf", type=Path, default=ctl.DEFAULT_SUPERVISOR_CONF,
+                         help=f"supervisord's config (default {ctl.DEFAULT_SUPERVISOR_CONF})")
+    control.set_defaults(handler=_run_ctl)
+
+
+def _run_ctl(args: argparse.Namespace) -> int:
+    from kimi_service import config, ctl
+
+    unknown = [p for p in args.programs if p not in ctl.PROGRAMS]
+    if unknown:
+        raise UsageError(f"ctl: unknown program {', '.join(unknown)}; choose from {', '.join(ctl.PROGRAMS)}")
+    programs = list(dict.fromkeys(args.programs)) or list(ctl.PROGRAMS)
+    loaded = config.load_config(args.config) if args.action != "status" and args.config.exists() else None
+    manager = ctl.choose_manager(args.manager, args.supervisor_conf)
+    return ctl.control(args.action, programs, manager, loaded, args.wait)
 
 
 def _add_exporter(commands) -> None:

@@ -101,6 +101,9 @@ class ServeConfig:
     `ready_port` (0: none) answers GET /ready with 200 only while the engine takes requests; on SIGTERM
     it turns 503 at once, and the engine keeps serving for `withdraw_delay` seconds (long enough for the
     balancers' checks to take the node out) before in-flight requests are drained and vLLM is stopped.
+
+    `watchdog_sec` (0: off) is serve's own watchdog where systemd arms none (supervisord, a shell): once
+    ready, vLLM not answering /health for that long gets its process group killed and serve exits 1.
     """
 
     startup_timeout: float = 3600.0
@@ -109,6 +112,7 @@ class ServeConfig:
     probe_interval: float = 5.0
     ready_port: int = 0
     withdraw_delay: float = 0.0
+    watchdog_sec: int = 0
 
 
 @dataclass(frozen=True)
@@ -426,6 +430,7 @@ def parse_config(data: Any) -> Config:
         probe_interval=s.number("probe_interval", ServeConfig.probe_interval, 0.1),
         ready_port=s.integer("ready_port", ServeConfig.ready_port, 0, 65535),
         withdraw_delay=s.number("withdraw_delay", ServeConfig.withdraw_delay, 0),
+        watchdog_sec=s.integer("watchdog_sec", ServeConfig.watchdog_sec, 0),
     )
     s.finish()
 

@@ -59,6 +59,12 @@ class HealthReport:
         lines = [f"{c.name:<{width}}  {c.status:<8}  {c.message}" for c in self.checks]
         return "\n".join([*lines, f"overall: {self.status}"])
 
+    def to_line(self) -> str:
+        """One log line: the verdict, each check's status, and the messages of those not ok."""
+        parts = [f"{c.name}={c.status}" for c in self.checks]
+        notes = [f"{c.name}: {c.message}" for c in self.checks if c.status in (DEGRADED, DOWN)]
+        return " ".join([f"health {self.status}:", *parts]) + ("; " + "; ".join(notes) if notes else "")
+
 
 @dataclass(frozen=True)
 class Target:
@@ -105,7 +111,29 @@ def check_readiness(client: httpx.Client, target: Target) -> Check:
     return Check("readiness", OK, names, f"serving {', '.join(map(str, names))}")
 
 
-def check_smoke(client: httpx.Client, target: Target, model: str) -> Check:
+@dataclass(frozen=True)
+class SmokeResult:
+    """One chat completion: whether it answered, how fast, and the start of the reply."""
+
+    ok: bool
+    url: str
+    model: str
+    status_code: int | None
+    latency_s: float | None
+    reply: str | None
+    completion_tokens: int | None
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        if not self.ok:
+            return f"smoke failed: {self.error}"
+        return f"smoke ok: {self.model} answered in {self.latency_s:.3f} s: {self.reply!r}"
+
+
+def smoke_completion(client: httpx.Client, target: Target, model: str) -> SmokeResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Say OK."}],
@@ -117,12 +145,26 @@ def check_smoke(client: httpx.Client, target: Target, model: str) -> Check:
         response = client.post(f"{target.url}/v1/chat/completions", json=body, headers=target.headers(),
                                timeout=target.timeout)
     except httpx.HTTPError as exc:
-        return Check("smoke", DEGRADED, None, f"chat completion failed: {exc}")
-    latency = time.monotonic() - started
-    if response.status_code != 200 or not response.json().get("choices"):
-        return Check("smoke", DEGRADED, None,
-                     f"chat completion answered {response.status_code}: {response.text[:200]}")
-    return Check("smoke", OK, round(latency, 4), f"chat completion in {latency:.3f} s")
+        return SmokeResult(False, target.url, model, None, None, None, None, f"chat completion failed: {exc}")
+    latency = round(time.monotonic() - started, 4)
+    try:
+        answer = response.json()
+        choices = answer.get("choices") or []
+    except (ValueError, AttributeError):
+        answer, choices = {}, []
+    if response.status_code != 200 or not choices:
+        return SmokeResult(False, target.url, model, response.status_code, latency, None, None,
+                           f"chat completion answered {response.status_code}: {response.text[:200]}")
+    reply = (choices[0].get("message") or {}).get("content") or ""
+    tokens = (answer.get("usage") or {}).get("completion_tokens")
+    return SmokeResult(True, target.url, model, 200, latency, reply[:200], tokens, None)
+
+
+def check_smoke(client: httpx.Client, target: Target, model: str) -> Check:
+    result = smoke_completion(client, target, model)
+    if not result.ok:
+        return Check("smoke", DEGRADED, None, str(result.error))
+    return Check("smoke", OK, result.latency_s, f"chat completion in {result.latency_s:.3f} s")
 
 
 def probe_endpoint(target: Target, client: httpx.Client | None = None) -> list[Check]:
@@ -251,6 +293,16 @@ def run_health(target: Target, *, gpus: bool = True, expect_gpus: bool = False,
     if gpus:
         checks.extend(check_gpus(nvml_module, expect_gpus))
     return HealthReport(tuple(checks))
+
+
+def served_model(client: httpx.Client, target: Target) -> str | None:
+    """The first model /v1/models lists, for a smoke test told no name."""
+    try:
+        response = client.get(f"{target.url}/v1/models", headers=target.headers(), timeout=target.timeout)
+        names = [m.get("id") for m in response.json().get("data", [])] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return names[0] if names else None
 
 
 def wait_for_health(target: Target, wait: float, **kwargs: Any) -> HealthReport:

@@ -15,9 +15,16 @@ The leader starts its engine only once every follower answers, and fails (its st
 running unit) when a follower stops answering or comes back as a new instance: vLLM's own /health
 keeps answering 200 on the leader after a follower died, until a request fails.
 
+Without systemd (supervisord on a container rental): `serve --env-file --user` reads the secrets and drops
+root itself, serve.watchdog_sec stands in for WatchdogSec=, and vLLM dies with serve (PR_SET_PDEATHSIG, a
+guard that kills the engine's group once serve is gone, a leftover group killed at the next start), where no
+cgroup would catch it.
+
 Modules: `launch` (plan -> the engine's argv and environment, plan.json), `engine` (the child process and
 its API), `supervisor` (the main loop), `follower` (a follower node's loop), `cluster` (rendezvous and the
-nodes' watch on each other), `status` (the /ready and follower /health pages).
+nodes' watch on each other), `status` (the /ready and follower /health pages), `process` (the engine dies
+with serve; leftover groups), `output` (vLLM's output passed through, the cause of a failed start),
+`sockets` (requests not yet read by vLLM, for the drain), `identity` (--env-file, --user).
 """
 
 from kimi_service.errors import EngineFailed

@@ -7,15 +7,19 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kimi_service.errors import EngineFailed
 from kimi_service.launcher.launch import Launch
+from kimi_service.launcher.output import CauseFinder, tee
+from kimi_service.launcher.process import EngineGroupRecord, die_with_parent, guard_group
 from kimi_service.sdnotify import Notifier
 
 # serve's journal lines carry one name, whichever of its modules writes them.
@@ -42,10 +46,15 @@ class Pace:
 
     interval: float
     watchdog: float | None  # seconds between WATCHDOG=1 pings; None when systemd armed no watchdog
+    # serve's own watchdog (serve.watchdog_sec) where systemd armed none: seconds without a /health 200
+    # after which serve kills the engine; None when off.
+    own_watchdog: float | None = None
 
     @classmethod
-    def of(cls, probe_interval: float, watchdog: float | None) -> Pace:
-        return cls(interval=min(probe_interval, watchdog) if watchdog else probe_interval, watchdog=watchdog)
+    def of(cls, probe_interval: float, watchdog: float | None, watchdog_sec: float = 0) -> Pace:
+        own = float(watchdog_sec) if watchdog_sec and not watchdog else None
+        bounds = [probe_interval, *([watchdog] if watchdog else []), *([own / 2] if own else [])]
+        return cls(interval=min(bounds), watchdog=watchdog, own_watchdog=own)
 
     @property
     def probe_timeout(self) -> float:
@@ -54,30 +63,65 @@ class Pace:
 
 
 class EngineProcess:
-    """The vLLM child: started in a process group of its own, watched, stopped within a bound."""
+    """The vLLM child: started in a process group of its own that dies with serve, its output passed
+    through (and read for the cause of a failed start), watched, stopped within a bound."""
 
-    def __init__(self, launch: Launch, notifier: Notifier, stopping: threading.Event, stop_budget: float):
+    def __init__(self, launch: Launch, notifier: Notifier, stopping: threading.Event, stop_budget: float,
+                 record: EngineGroupRecord | None = None):
         self.launch = launch
         self.notifier = notifier
         self.stopping = stopping  # set once serve is asked to stop: the engine's exit is expected then
         self.stop_budget = stop_budget
+        self.record = record
         self.child: subprocess.Popen[bytes] | None = None
+        self.ready = False  # set once it answered; an exit before that is a failed start
+        self.cause = CauseFinder()
+        self._output: list[threading.Thread] = []
+        self._guard: subprocess.Popen[bytes] | None = None
 
     def spawn(self) -> None:
         log.info("starting vLLM: %s", " ".join(self.launch.argv))
-        # Its own process group, so a stop that runs out of time can kill the engine's workers too.
-        self.child = subprocess.Popen(self.launch.argv, env=self.launch.env, start_new_session=True)
+        # Its own process group, so a stop that runs out of time can kill the engine's workers too; and
+        # killed by the kernel when serve dies (this must run on serve's main thread: the signal follows
+        # the thread that spawned the child).
+        self.child = subprocess.Popen(self.launch.argv, env=self.launch.env, start_new_session=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      preexec_fn=die_with_parent())
+        self._guard = guard_group(self.child.pid)  # its workers do not get the death signal: this kills them
+        if self.record:
+            self.record.write(self.child.pid)
+        assert self.child.stdout is not None and self.child.stderr is not None
+        self._output = [tee(self.child.stdout, _binary(sys.stdout), self.cause, "stdout"),
+                        tee(self.child.stderr, _binary(sys.stderr), self.cause, "stderr")]
         self.notifier.notify(STATUS=f"starting vLLM (pid {self.child.pid})")
 
     def check(self) -> None:
-        """Raise EngineFailed when vLLM exited on its own (not because serve is stopping)."""
+        """Raise EngineFailed when vLLM exited on its own (not because serve is stopping); before it was
+        ready, the message names the cause vLLM printed."""
         assert self.child is not None
         code = self.child.poll()
-        if code is not None and not self.stopping.is_set():
+        if code is None or self.stopping.is_set():
+            return
+        exit_code = code if code > 0 else 128 - code
+        if not self.ready:
+            log.error("vLLM %s before it was ready", describe_exit(code))
+            self.kill_group()  # its workers may still hold the output pipes open
+            self.drain_output()
+            message = f"vLLM failed to start: {self.cause.cause() or describe_exit(code)}"
+        else:
             message = f"vLLM {describe_exit(code)}"
             log.error("%s", message)
-            self.notifier.notify(STATUS=message)
-            raise EngineFailed(message, exit_code=code if code > 0 else 128 - code)
+        self.notifier.notify(STATUS=message)
+        raise EngineFailed(message, exit_code=exit_code)
+
+    def kill_group(self) -> None:
+        assert self.child is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.child.pid, signal.SIGKILL)
+
+    def drain_output(self, timeout: float = 5.0) -> None:
+        for thread in self._output:
+            thread.join(timeout)
 
     def alive(self) -> bool:
         assert self.child is not None
@@ -95,11 +139,23 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             log.error("vLLM still running %.0f s after SIGTERM; killing its process group", self.stop_budget)
             code = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.child.pid, signal.SIGKILL)
+        self.kill_group()
         if code is None:
             code = self.child.wait()
+        self.drain_output()
+        if self._guard is not None:
+            assert self._guard.stdin is not None
+            self._guard.stdin.close()
+            self._guard.wait()
+        if self.record:
+            self.record.clear()
         log.info("vLLM stopped (%s)", describe_exit(code))
+
+
+def _binary(stream: object) -> BinaryIO:
+    """serve's own stdout or stderr as bytes (a test's captured stream may have no buffer)."""
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else open(os.devnull, "wb")
 
 
 def kv_tokens_from_metrics(text: str) -> int | None:

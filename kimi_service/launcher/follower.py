@@ -63,6 +63,7 @@ def _follow(cluster: ClusterConfig, engine: EngineProcess, notifier: Notifier, p
                                "stopped or failed); exiting so a fresh engine can join the next one", 1)
         if now != member:
             member = now
+            engine.ready = engine.ready or now  # an exit from now on is a failure, not a failed start
             state = f"joined the group at {master}" if now else f"waiting for the leader at {master}"
             notifier.notify(STATUS=f"follower (node {cluster.node_rank}): {state}")
             log.info("follower: %s", state)

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from types import FrameType
 
 import httpx
@@ -17,10 +18,13 @@ import httpx
 from kimi_service.config import Config
 from kimi_service.credentials import bearer, read_secret
 from kimi_service.errors import EngineFailed, KimiError
+from kimi_service.files import write_atomic
 from kimi_service.launcher.cluster import FollowerWatch
 from kimi_service.launcher.engine import EngineApi, EngineProcess, Pace, watchdog_interval
 from kimi_service.launcher.follower import run_follower
 from kimi_service.launcher.launch import Launch, prepare, write_plan
+from kimi_service.launcher.process import EngineGroupRecord
+from kimi_service.launcher.sockets import waiting_connections
 from kimi_service.launcher.status import Readiness, status_server
 from kimi_service.sdnotify import Notifier
 
@@ -33,10 +37,12 @@ class Supervisor:
         self.config = config
         self.launch = launch
         self.notifier = notifier
-        self.pace = Pace.of(config.serve.probe_interval, watchdog_interval(env, os.getpid()))
+        self.pace = Pace.of(config.serve.probe_interval, watchdog_interval(env, os.getpid()),
+                            config.serve.watchdog_sec)
         self.stopping = threading.Event()
         self.engine = EngineProcess(launch, notifier, self.stopping,
-                                    stop_budget=config.serve.drain_timeout + config.serve.stop_timeout)
+                                    stop_budget=config.serve.drain_timeout + config.serve.stop_timeout,
+                                    record=engine_record(config))
         self.api = EngineApi(config.api.local_url, bearer(read_secret(env=env)), self.pace.probe_timeout)
         cluster = config.cluster
         self.cluster = cluster
@@ -55,6 +61,8 @@ class Supervisor:
         for directory in (self.config.paths.cache_dir, self.config.paths.tmp_dir):
             directory.mkdir(parents=True, exist_ok=True)
         write_plan(self.config.paths.plan_file, self.launch.plan_document)
+        if self.engine.record:
+            self.engine.record.kill_leftover()
         if self.cluster and not self.cluster.is_leader:
             return run_follower(self.config, self.engine, self.notifier, self.pace)
         with httpx.Client() as client, self._readiness_server():
@@ -63,6 +71,8 @@ class Supervisor:
             self.engine.spawn()
             try:
                 if self._wait_ready(client):
+                    self.engine.ready = True
+                    clear_failure(self.config)
                     kv = self._record_measured_kv(client)
                     self.readiness.set("ready")
                     self.notifier.notify(READY=1, STATUS=f"ready: {self.config.model.served_name}, {kv} KV tokens")
@@ -132,7 +142,8 @@ class Supervisor:
             waited = time.monotonic() - started
             if waited > self.config.serve.startup_timeout:
                 raise EngineFailed(
-                    f"vLLM not ready after {waited:.0f} s (serve.startup_timeout); see its log above", 1)
+                    f"vLLM failed to start: not ready after {waited:.0f} s (serve.startup_timeout); see its log above",
+                    1)
             if self.api.healthy(client):
                 if not alive:
                     alive = True
@@ -147,12 +158,14 @@ class Supervisor:
 
     def _supervise(self, client: httpx.Client) -> None:
         failures = 0
+        answered = time.monotonic()
         while not self.stopping.is_set():
             self.engine.check()
             if self.followers:
                 self.followers.check(client)
             if self.api.healthy(client):
                 failures = 0
+                answered = time.monotonic()
                 self.readiness.set("ready")
                 if self.pace.watchdog:
                     self.notifier.notify(WATCHDOG=1)
@@ -160,8 +173,24 @@ class Supervisor:
                 failures += 1
                 self.readiness.set("engine not answering")
                 self.notifier.notify(STATUS=f"engine not answering /health ({failures} probes)")
-                log.warning("vLLM /health did not answer (%d in a row); withholding the watchdog ping", failures)
+                log.warning("vLLM /health did not answer (%d in a row)%s", failures,
+                            "; withholding the watchdog ping" if self.pace.watchdog else "")
+                self._own_watchdog(time.monotonic() - answered)
             self.stopping.wait(self.pace.interval)
+
+    def _own_watchdog(self, silent: float) -> None:
+        """Where systemd arms no watchdog: an engine silent for serve.watchdog_sec is killed, and serve
+        exits 1 so its service manager (supervisord) starts a fresh one."""
+        limit = self.pace.own_watchdog
+        if limit is None or silent < limit or self.stopping.is_set():
+            return
+        message = (f"vLLM has not answered /health for {silent:.0f} s (serve.watchdog_sec is {limit:.0f}); "
+                   "killing its process group")
+        log.error("%s", message)
+        self.notifier.notify(STATUS=message)
+        self.stopping.set()  # its exit is ours now, not a failure to report as its own
+        self.engine.kill_group()
+        raise EngineFailed(message, 1)
 
     def _withdraw_and_drain(self, client: httpx.Client) -> None:
         """After SIGTERM, while vLLM still serves: let the balancers see /ready fail, then wait for the
@@ -180,14 +209,11 @@ class Supervisor:
                 return
             time.sleep(min(0.5, max(0.0, end - time.monotonic())))
         deadline = time.monotonic() + serve.drain_timeout
+        idle_polls = 0
         while True:
-            try:
-                in_flight = self.api.requests_held(client)
-            except httpx.HTTPError:
-                in_flight = -1  # a busy engine may answer slowly: unknown is not idle
-            except ValueError:
-                return  # nothing to go by: vLLM's own shutdown drain is all there is
-            if in_flight == 0 or in_flight is None:
+            in_flight = self._held(client)
+            idle_polls = idle_polls + 1 if in_flight == 0 else 0
+            if idle_polls >= 2:  # two looks 0.5 s apart: a request between two reads is seen by the second
                 return
             count = "unknown (vLLM did not answer /metrics or /load)" if in_flight < 0 else str(in_flight)
             if time.monotonic() >= deadline:
@@ -199,6 +225,18 @@ class Supervisor:
                 return
             time.sleep(0.5)
 
+    def _held(self, client: httpx.Client) -> int:
+        """Requests vLLM holds (its /load and /metrics) plus connections to its port it has not read yet
+        (the kernel's accept queue, unread bytes); -1 when vLLM does not answer."""
+        waiting = waiting_connections(self.config.api.port) or 0
+        try:
+            held = self.api.requests_held(client)
+        except httpx.HTTPError:
+            return -1  # a busy engine may answer slowly: unknown is not idle
+        except ValueError:
+            held = None  # no metrics to go by: the sockets are all there is
+        return (held or 0) + waiting
+
     def _keep_alive(self) -> bool:
         """While a stop drains: False once vLLM is gone (nothing left to wait for), else ping the
         watchdog (the engine is busy finishing work, not hung) and return True."""
@@ -209,12 +247,41 @@ class Supervisor:
         return True
 
 
+def engine_record(config: Config) -> EngineGroupRecord:
+    return EngineGroupRecord(config.paths.state_dir / "run" / "engine.pgid")
+
+
+def failure_file(config: Config) -> Path:
+    """One line: why the last start failed (`kimi-service ctl` prints it); gone once a start succeeds."""
+    return config.paths.state_dir / "last-failure"
+
+
+def clear_failure(config: Config) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        failure_file(config).unlink()
+
+
+def _record_failure(config: Config, exc: KimiError) -> None:
+    line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    try:
+        path = failure_file(config)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, line + "\n", mode=0o644)
+    except OSError as error:
+        log.warning("cannot write %s: %s", failure_file(config), error.strerror)
+
+
 def serve(config: Config, notifier: Notifier | None = None) -> int:
     notifier = notifier or Notifier.from_env(os.environ)
     notifier.notify(STATUS="planning")
+    supervisor = None
     try:
         launch = prepare(config)
+        supervisor = Supervisor(config, launch, notifier, os.environ)
+        return supervisor.run()
     except KimiError as exc:
-        notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
+        if supervisor is None:
+            notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
+        if supervisor is None or not supervisor.engine.ready:
+            _record_failure(config, exc)
         raise
-    return Supervisor(config, launch, notifier, os.environ).run()
