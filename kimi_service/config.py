@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_service.engine_flags import RESERVED, check_extra_args, has_control
+from kimi_service.envfile import EnvFileError, parse_env_file
 from kimi_service.errors import UsageError
 from kimi_service.workloads import WORKLOADS
 from kimi_service.yaml_input import YamlRefused, load_yaml
@@ -499,34 +500,18 @@ def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """Variables of a systemd EnvironmentFile (the subset our templates write: KEY=value, KEY="quoted").
+    """Variables of a systemd EnvironmentFile, read as systemd reads it for the units (envfile.py).
 
     Lets a root command on the host take the API key from secrets.env instead of from its environment
     or argv, where a verbose Ansible run or `ps` would show it.
     """
     try:
-        lines = Path(path).read_text().splitlines()
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; it is written by the vllm_service role") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror}); run as root") from None
-    values: dict[str, str] = {}
-    for number, raw in enumerate(lines, 1):
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        name, sep, value = line.partition("=")
-        if not sep or not name.strip().isidentifier():
-            raise ConfigError(f"{path}:{number}: expected KEY=value")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            value = _unescape(value[1:-1])
-        values[name.strip()] = value
-    return values
-
-
-def _unescape(text: str) -> str:
-    out, chars = [], iter(text)
-    for char in chars:
-        out.append(next(chars, "\\") if char == "\\" else char)
-    return "".join(out)
+    try:
+        return parse_env_file(data)
+    except EnvFileError as exc:
+        raise ConfigError(f"{path}, {exc}") from None
