@@ -144,6 +144,9 @@ class HealthPoller:
                 self.poll_once()
             except Exception as exc:  # a probe bug must not kill the thread that keeps series fresh
                 log.exception("health probe failed: %s", exc)
+                # Never the last good result: an endpoint that cannot be judged is not ready.
+                with self._lock:
+                    self._checks = [health.Check("readiness", health.DOWN, None, f"health probe failed: {exc}")]
             self._stop.wait(self._interval)
 
     def checks(self) -> list[health.Check]:
