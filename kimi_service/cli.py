@@ -201,6 +201,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         plan = launch.plan_document
         print(f"{args.config}: valid; engine {plan.get('engine')}, TP {plan.get('tensor_parallel_size')}, "
               f"max_model_len {plan.get('max_model_len')}, KV cache {plan.get('kv_cache_tokens'):,} tokens")
+        for warning in plan.get("warnings") or []:
+            print(f"warning: {warning}")
         print("would run: " + " ".join(launch.argv))
         if plan.get("extra_env"):
             print("with plan.extra_env: " + ", ".join(plan["extra_env"]))

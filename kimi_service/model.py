@@ -17,6 +17,16 @@ from kimi_service import catalog, geometry, quantization
 from kimi_service.errors import UsageError
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+# The shape fields read from config.json besides the four required ones: whole numbers when present
+# (0 reads as absent), below int32's limit as in the engine's own tensors.
+_SHAPE_FIELDS = (
+    "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "kv_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
+    "n_routed_experts", "num_local_experts", "num_experts",
+)
+_MLA_FIELDS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+MAX_SHAPE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -116,11 +126,38 @@ def _quantization(config: Mapping[str, Any], text: Mapping[str, Any]) -> quantiz
 
 def _int(text: Mapping[str, Any], key: str, what: str) -> int:
     value = text.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SHAPE:
         raise UsageError(
-            f"config.json has no usable {key!r} ({what}): got {value!r}; is this a causal language model?"
+            f"config.json has no usable {key!r} ({what}): got {_show(value)}; is this a causal language model?"
         )
     return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_shape_fields(config: Mapping[str, Any], text: Mapping[str, Any]) -> None:
+    """Refuse, naming the key, what config.json holds where a shape or a name belongs."""
+    for key in _SHAPE_FIELDS:
+        value = text.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= MAX_SHAPE):
+            raise UsageError(f"config.json: {key} is {_show(value)}; expected a whole number from 0 to "
+                             f"{MAX_SHAPE:,}")
+    if text.get("kv_lora_rank"):
+        missing = [key for key in _MLA_FIELDS if not text.get(key)]
+        if missing:
+            raise UsageError(f"config.json: kv_lora_rank (latent attention) needs {', '.join(missing)} too")
+    for key in ("torch_dtype", "dtype", "model_type"):
+        for where in (config, text):
+            if where.get(key) is not None and not isinstance(where[key], str):
+                raise UsageError(f"config.json: {key} is {_show(where[key])}; expected a string")
+    for where in (config, text):
+        names = where.get("architectures")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise UsageError(f"config.json: architectures is {_show(names)}; expected a list of class names")
 
 
 def _attention_parameters(text: Mapping[str, Any], hidden: int, heads: int) -> int:
@@ -205,6 +242,7 @@ def spec_from_config(
     hidden = _int(text, "hidden_size", "hidden size")
     heads = _int(text, "num_attention_heads", "attention heads")
     _int(text, "vocab_size", "vocabulary size")
+    check_shape_fields(config, text)
     mla = bool(text.get("kv_lora_rank"))
     dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
     scheme = _quantization(config, text)
@@ -258,11 +296,13 @@ def _weight_bytes(directory: Path) -> tuple[int | None, str]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            data = json.loads(index.read_text())
         except (OSError, ValueError) as exc:
             raise UsageError(
                 f"cannot read {index}: {exc}; re-download the model or remove the broken index"
             ) from exc
+        metadata = data.get("metadata") if isinstance(data, dict) else None
+        total = metadata.get("total_size") if isinstance(metadata, dict) else None
         if isinstance(total, int) and total > 0:
             return total, "safetensors index"
     files = sorted(directory.glob("*.safetensors"))
@@ -309,13 +349,19 @@ def inspect_model(path_or_repo_id: str) -> ModelSpec:
     if directory.is_dir():
         config = _with_modelopt_config(_read_config(directory), directory)
         weight_bytes, weight_source = _weight_bytes(directory)
-        spec = spec_from_config(
-            config,
-            name=str(directory),
-            weight_bytes=weight_bytes,
-            weight_bytes_source=weight_source,
-            source=f"{directory / 'config.json'}",
-        )
+        try:
+            spec = spec_from_config(
+                config,
+                name=str(directory),
+                weight_bytes=weight_bytes,
+                weight_bytes_source=weight_source,
+                source=f"{directory / 'config.json'}",
+            )
+        except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+            # What check_shape_fields does not foresee still ends as bad input, not a traceback.
+            raise UsageError(f"{directory / 'config.json'}: a field has an unexpected value "
+                             f"({type(exc).__name__}: {_show(str(exc))}); is this a Hugging Face model "
+                             "config?") from None
         spec = replace(spec, served_name=directory.resolve().name)
         if weight_source.startswith("gguf"):
             spec = replace(spec, quantization="gguf", notes=(*spec.notes, *_gguf_notes(weight_source)))

@@ -86,11 +86,18 @@ MXFP4 = 0.5 + 1 / 32  # E2M1 values and one E8M0 scale per 32
 
 
 def _compressed_tensors(quant: Mapping[str, Any]) -> tuple[str, float]:
-    groups = [g for g in (quant.get("config_groups") or {}).values() if isinstance(g, Mapping)]
-    weights = [g.get("weights") or {} for g in groups]
-    bits = min((int(w.get("num_bits") or 16) for w in weights), default=16)
-    kind = next((str(w.get("type") or "int") for w in weights if int(w.get("num_bits") or 16) == bits), "int")
-    size = next((w.get("group_size") for w in weights if int(w.get("num_bits") or 16) == bits), None)
+    # Checkpoints in the wild carry odd shapes here; what is not a group of weights is left out.
+    groups = quant.get("config_groups")
+    groups = [g for g in groups.values() if isinstance(g, Mapping)] if isinstance(groups, Mapping) else []
+    weights = [g["weights"] for g in groups if isinstance(g.get("weights"), Mapping)]
+
+    def width(w: Mapping[str, Any]) -> int:
+        bits = w.get("num_bits")
+        return bits if isinstance(bits, int) and not isinstance(bits, bool) and bits > 0 else 16
+
+    bits = min((width(w) for w in weights), default=16)
+    kind = next((str(w.get("type") or "int") for w in weights if width(w) == bits), "int")
+    size = next((w.get("group_size") for w in weights if width(w) == bits), None)
     symmetric = all(w.get("symmetric", True) for w in weights)
     if bits == 4 and (kind == "float" or "nvfp4" in str(quant.get("format", ""))):
         return "compressed-tensors nvfp4", NVFP4
