@@ -487,13 +487,18 @@ def parse_config(data: Any) -> Config:
                   cluster=cluster)
 
 
-def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
+def _read(path: Path, *, missing: str, unreadable: str) -> bytes:
+    """A file's bytes, or a ConfigError saying what to do when it is missing or cannot be read."""
     try:
-        raw = Path(path).read_bytes()
+        return Path(path).read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; pass --config FILE or run the vllm_service role") from None
+        raise ConfigError(f"{path}: no such file; {missing}") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); check its owner and mode") from None
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); {unreadable}") from None
+
+
+def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
+    raw = _read(path, missing="pass --config FILE or run the vllm_service role", unreadable="check its owner and mode")
     try:
         data = load_yaml(raw)
     except YamlRefused as exc:
@@ -510,12 +515,7 @@ def read_env_file(path: Path) -> dict[str, str]:
     Lets a root command on the host take the API key from secrets.env instead of from its environment
     or argv, where a verbose Ansible run or `ps` would show it.
     """
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; it is written by the vllm_service role") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); run as root") from None
+    data = _read(path, missing="it is written by the vllm_service role", unreadable="run as root")
     try:
         return parse_env_file(data)
     except EnvFileError as exc:
