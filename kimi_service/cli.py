@@ -201,6 +201,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         plan = launch.plan_document
         print(f"{args.config}: valid; engine {plan.get('engine')}, TP {plan.get('tensor_parallel_size')}, "
               f"max_model_len {plan.get('max_model_len')}, KV cache {plan.get('kv_cache_tokens'):,} tokens")
+        for warning in plan.get("warnings") or []:
+            print(f"warning: {warning}")
         print("would run: " + " ".join(launch.argv))
         if plan.get("extra_env"):
             print("with plan.extra_env: " + ", ".join(plan["extra_env"]))
@@ -375,7 +377,8 @@ def _add_fetch(commands) -> None:
     fetch = commands.add_parser(
         "fetch", help="download model weights resumably and verify them (hub, ModelScope, mirror, local)",
         description="List the repository's files, check free space, download what is missing (resuming "
-        "partial files), verify sizes (and sha256 with --verify full) and write a marker, so a rerun "
+        "partial files), verify sizes (and sha256 with --verify full; a published hash is always checked "
+        "for what this run downloads) and write a marker, so a rerun "
         "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN) or --token-file, never "
         "from arguments.",
     )
@@ -392,7 +395,13 @@ def _add_fetch(commands) -> None:
                        help="size: sizes only; full: sha256 (or git blob id) against the source's hashes")
     fetch.add_argument("--reverify", action="store_true", help="re-check every file, ignoring the marker")
     fetch.add_argument("--headroom", type=float, default=0.05, help="free-space margin as a fraction")
-    fetch.add_argument("--retries", type=int, default=5, help="retries per file after a failed transfer")
+    fetch.add_argument("--retries", type=int, default=5,
+                       help="retries per file (per byte range of a large file) after a failed transfer")
+    fetch.add_argument("--connections", type=int, default=8, metavar="N",
+                       help="parallel connections: several files at once and large files in 64 MiB byte "
+                       "ranges (default 8, at most 32)")
+    fetch.add_argument("--range-mib", type=int, default=64, metavar="MIB",
+                       help="size of the byte ranges a large file is fetched in (default 64)")
     fetch.add_argument("--progress-file", type=Path, help="write progress (bytes done/total, rate) as JSON")
     fetch.add_argument("--token-file", type=Path, metavar="FILE",
                        help="read the hub token from FILE (root-only) instead of the environment")
@@ -404,10 +413,16 @@ def _add_fetch(commands) -> None:
 
 
 def _read_token(path: Path) -> str:
+    from kimi_service import weights
+
     try:
-        return path.read_text().strip()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise UsageError(f"--token-file {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--token-file {path}: not UTF-8 text; it is not shown here") from None
+    # Checked before it goes into a header: httpx's error for a bad header value quotes the value.
+    return weights.check_token(text.strip(), f"--token-file {path}")
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
@@ -421,7 +436,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
         source=args.source, repo=args.repo, revision=args.revision, dest=args.dest,
         endpoint=args.endpoint or default_endpoint.get(args.source, ""), manifest_url=args.manifest_url,
         local_path=args.local_path, verify=args.verify, reverify=args.reverify, headroom=args.headroom,
-        retries=args.retries, progress_file=args.progress_file,
+        retries=args.retries, progress_file=args.progress_file, connections=args.connections,
+        range_size=args.range_mib << 20,
         token=_read_token(args.token_file) if args.token_file else weights.token_from_env(args.source),
     )
     if args.check:

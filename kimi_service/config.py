@@ -7,22 +7,26 @@ Secrets never live here: the API key and hub token come from the environment
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from kimi_service.engine_flags import RESERVED, check_extra_args, has_control
+from kimi_service.envfile import EnvFileError, parse_env_file
 from kimi_service.errors import UsageError
 from kimi_service.workloads import WORKLOADS
+from kimi_service.yaml_input import YamlRefused, load_yaml
 
 DEFAULT_CONFIG_PATH = Path("/etc/kimi-service/config.yaml")
 ENGINES = ("auto", "cuda", "cpu")
 # Flags the supervisor owns: letting extra_args change them would break readiness checks or leak
-# the key into argv, where `ps` shows it to every user.
-RESERVED_EXTRA_ARGS = ("--api-key", "--host", "--port", "--served-model-name", "--model")
+# the key into argv, where `ps` shows it to every user (engine_flags.RESERVED says where each belongs).
+RESERVED_EXTRA_ARGS = tuple(RESERVED)
+# Seconds beyond this are a typo (and overflow a thread wait): 30 days.
+MAX_SECONDS = 30 * 24 * 3600.0
 # Environment a cluster section may set for the engine: the collective libraries' own knobs only.
 CLUSTER_ENV_PREFIXES = ("NCCL_", "GLOO_")
 # Engine environment plan.extra_env may not set, and where each belongs instead: secrets stay in
@@ -210,15 +214,17 @@ class _Section:
                 raise ConfigError(f"{self.key(name)}: required, but missing; set it to a string")
             return default
         if not isinstance(value, str):
-            raise ConfigError(f"{self.key(name)}: expected a string, got {_kind(value)} {value!r}")
+            raise ConfigError(f"{self.key(name)}: expected a string, got {_kind(value)} {_show(value)}")
+        if has_control(value):
+            raise ConfigError(f"{self.key(name)}: {_show(value)} holds a control character (a newline?); remove it")
         if choices and value not in choices:
-            raise ConfigError(f"{self.key(name)}: {value!r} is not one of {', '.join(choices)}")
+            raise ConfigError(f"{self.key(name)}: {_show(value)} is not one of {', '.join(choices)}")
         return value
 
     def path_value(self, name: str, default: Path | None = None) -> Path:
         value = self.string(name, None if default is None else str(default))
         if not value.startswith("/"):
-            raise ConfigError(f"{self.key(name)}: {value!r} must be an absolute path (starting with /)")
+            raise ConfigError(f"{self.key(name)}: {_show(value)} must be an absolute path (starting with /)")
         return Path(value)
 
     def integer(self, name: str, default: int, minimum: int, maximum: int | None = None) -> int:
@@ -226,20 +232,23 @@ class _Section:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{self.key(name)}: expected an integer, got {_kind(value)} {value!r}")
+            raise ConfigError(f"{self.key(name)}: expected an integer, got {_kind(value)} {_show(value)}")
         if value < minimum or (maximum is not None and value > maximum):
             upper = f" and <= {maximum}" if maximum is not None else ""
             raise ConfigError(f"{self.key(name)}: {value} is out of range; use >= {minimum}{upper}")
         return value
 
     def number(self, name: str, default: float, minimum: float) -> float:
+        """Seconds: finite (`.nan` never times out and busy-loops a wait), within [minimum, MAX_SECONDS]."""
         value = self._take(name)
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{self.key(name)}: expected a number of seconds, got {_kind(value)} {value!r}")
-        if value < minimum:
-            raise ConfigError(f"{self.key(name)}: {value} is too small; use >= {minimum}")
+            raise ConfigError(f"{self.key(name)}: expected a number of seconds, got {_kind(value)} {_show(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{self.key(name)}: {value} is not a number of seconds; give a finite number")
+        if not minimum <= value <= MAX_SECONDS:
+            raise ConfigError(f"{self.key(name)}: {value} is out of range; use >= {minimum} and <= {MAX_SECONDS:.0f}")
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -247,7 +256,7 @@ class _Section:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise ConfigError(f"{self.key(name)}: expected true or false, got {_kind(value)} {value!r}")
+            raise ConfigError(f"{self.key(name)}: expected true or false, got {_kind(value)} {_show(value)}")
         return value
 
     def string_list(self, name: str) -> tuple[str, ...]:
@@ -255,7 +264,7 @@ class _Section:
         if value is None:
             return ()
         if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
-            raise ConfigError(f"{self.key(name)}: expected a list of strings, got {value!r}")
+            raise ConfigError(f"{self.key(name)}: expected a list of strings, got {_show(value)}")
         return tuple(str(v) for v in value)
 
     def finish(self) -> None:
@@ -265,6 +274,12 @@ class _Section:
                 f"{', '.join(self.key(str(k)) for k in unknown)}: unknown key; "
                 f"known keys here are {', '.join(self.known)}"
             )
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its repr, cut short (one line, whatever the file holds)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _kind(value: Any) -> str:
@@ -279,21 +294,28 @@ def _host(section: _Section, name: str, default: str) -> str:
         ipaddress.ip_address(value)
     except ValueError:
         if not value or any(c.isspace() or c in "/:@" for c in value):
-            raise ConfigError(f"{section.key(name)}: {value!r} is not an IP address or host name") from None
+            raise ConfigError(f"{section.key(name)}: {_show(value)} is not an IP address or host name") from None
     return value
 
 
 def _extra_args(section: _Section) -> tuple[str, ...]:
+    """vLLM flags, refused when any spelling vLLM's parser accepts names a flag kimi-service sets."""
     args = section.string_list("extra_args")
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in RESERVED_EXTRA_ARGS:
-            raise ConfigError(
-                f"{section.key('extra_args')}: {flag} is set by kimi-service itself; use "
-                + ("VLLM_API_KEY in secrets.env" if flag == "--api-key" else "the api/model keys")
-                + " instead"
-            )
+    try:
+        check_extra_args(args, section.key("extra_args"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return args
+
+
+def _served_name(section: _Section, default: str) -> str:
+    """One argv item after --served-model-name: a leading `-` would read as a flag, a newline as two
+    lines of the unit's environment."""
+    name = section.string("served_name", default)
+    if not name.strip() or name.startswith("-") or name != name.strip():
+        raise ConfigError(f"{section.key('served_name')}: {_show(name)} cannot be a served model name; use a "
+                          "name without surrounding blanks that does not start with '-'")
+    return name
 
 
 def _env_mapping(section: _Section, name: str) -> dict[str, str]:
@@ -306,7 +328,8 @@ def _env_mapping(section: _Section, name: str) -> dict[str, str]:
         if not isinstance(var, str) or not _ENV_NAME.fullmatch(var):
             raise ConfigError(f"{section.key(name)}: {var!r} is not an environment variable name")
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise ConfigError(f"{section.key(name)}.{var}: expected a string or integer, got {_kind(value)} {value!r}")
+            raise ConfigError(f"{section.key(name)}.{var}: expected a string or integer, got {_kind(value)} "
+                              f"{_show(value)}")
         if "\0" in str(value) or "\n" in str(value):
             raise ConfigError(f"{section.key(name)}.{var}: a value may not hold a newline or NUL byte")
         env[var] = str(value)
@@ -334,7 +357,7 @@ def _cluster(top: _Section) -> ClusterConfig | None:
     if not isinstance(raw, list) or len(raw) < 2:
         raise ConfigError(
             f"{c.key('addresses')}: expected a list of at least two node addresses in rank order (the leader "
-            f"first), got {raw!r}; a single host needs no cluster section"
+            f"first), got {_show(raw)}; a single host needs no cluster section"
         )
     addresses = []
     for index, value in enumerate(raw):
@@ -350,7 +373,7 @@ def _cluster(top: _Section) -> ClusterConfig | None:
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < len(addresses):
         raise ConfigError(
             f"{c.key('node_rank')}: expected this node's index in addresses (0 to {len(addresses) - 1}), "
-            f"got {node_rank!r}"
+            f"got {_show(node_rank)}"
         )
     master_port = c.integer("master_port", ClusterConfig.master_port, 1024, 65535)
     join_timeout = c.number("join_timeout", ClusterConfig.join_timeout, 1)
@@ -401,7 +424,7 @@ def parse_config(data: Any) -> Config:
     top = _Section(data, "")
     m = top.section("model")
     model_path = m.path_value("path")
-    model = ModelConfig(path=model_path, served_name=m.string("served_name", model_path.name))
+    model = ModelConfig(path=model_path, served_name=_served_name(m, model_path.name))
     m.finish()
 
     a = top.section("api")
@@ -457,21 +480,29 @@ def parse_config(data: Any) -> Config:
             raise ConfigError(f"plan.nodes: {plan.nodes}, but cluster.addresses lists {cluster.nodes} nodes; "
                               "drop plan.nodes (the cluster section sets it) or make them agree")
         plan = replace(plan, nodes=cluster.nodes)
+    elif plan.nodes > 1:
+        raise ConfigError(f"plan.nodes: {plan.nodes} needs a cluster section listing the {plan.nodes} nodes' "
+                          "addresses (kimi_cluster_group); one host without it runs one node")
     return Config(model=model, api=api, plan=plan, paths=paths, serve=serve, health=health, exporter=exporter,
                   cluster=cluster)
 
 
-def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
+def _read(path: Path, *, missing: str, unreadable: str) -> bytes:
+    """A file's bytes, or a ConfigError saying what to do when it is missing or cannot be read."""
     try:
-        text = Path(path).read_text()
+        return Path(path).read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; pass --config FILE or run the vllm_service role") from None
+        raise ConfigError(f"{path}: no such file; {missing}") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); check its owner and mode") from None
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); {unreadable}") from None
+
+
+def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
+    raw = _read(path, missing="pass --config FILE or run the vllm_service role", unreadable="check its owner and mode")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        data = load_yaml(raw)
+    except YamlRefused as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     try:
         return parse_config(data)
     except ConfigError as exc:
@@ -479,34 +510,13 @@ def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """Variables of a systemd EnvironmentFile (the subset our templates write: KEY=value, KEY="quoted").
+    """Variables of a systemd EnvironmentFile, read as systemd reads it for the units (envfile.py).
 
     Lets a root command on the host take the API key from secrets.env instead of from its environment
     or argv, where a verbose Ansible run or `ps` would show it.
     """
+    data = _read(path, missing="it is written by the vllm_service role", unreadable="run as root")
     try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; it is written by the vllm_service role") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror}); run as root") from None
-    values: dict[str, str] = {}
-    for number, raw in enumerate(lines, 1):
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        name, sep, value = line.partition("=")
-        if not sep or not name.strip().isidentifier():
-            raise ConfigError(f"{path}:{number}: expected KEY=value")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            value = _unescape(value[1:-1])
-        values[name.strip()] = value
-    return values
-
-
-def _unescape(text: str) -> str:
-    out, chars = [], iter(text)
-    for char in chars:
-        out.append(next(chars, "\\") if char == "\\" else char)
-    return "".join(out)
+        return parse_env_file(data)
+    except EnvFileError as exc:
+        raise ConfigError(f"{path}, {exc}") from None

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kimi_service.config import read_env_file
+from kimi_service.errors import UsageError
 
 # The variable secrets.env sets; vLLM reads it as its --api-key.
 API_KEY_VAR = "VLLM_API_KEY"
@@ -26,5 +27,10 @@ def read_secret(name: str = API_KEY_VAR, *, env: Mapping[str, str] | None = None
 
 
 def bearer(token: str | None) -> dict[str, str]:
-    """The Authorization header that carries a token; no header without one."""
+    """The Authorization header that carries a token; no header without one. A token no header can
+    carry is bad input (exit 2), named without being shown: the HTTP client's own error quotes it."""
+    if token and not (token.isascii() and token.isprintable() and token == token.strip()):
+        raise UsageError("the API key holds a character an HTTP header cannot carry (non-ASCII, a control "
+                         "character, or blanks at either end); it is not shown here: check VLLM_API_KEY "
+                         "(kimi_api_key in secrets.env)")
     return {"Authorization": f"Bearer {token}"} if token else {}

@@ -16,12 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kimi_service import health
 from kimi_service import nvml as nvml_reader
+from kimi_service.errors import UsageError
+from kimi_service.http_limits import IDLE_TIMEOUT, server_class
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +148,9 @@ class HealthPoller:
                 self.poll_once()
             except Exception as exc:  # a probe bug must not kill the thread that keeps series fresh
                 log.exception("health probe failed: %s", exc)
+                # Never the last good result: an endpoint that cannot be judged is not ready.
+                with self._lock:
+                    self._checks = [health.Check("readiness", health.DOWN, None, f"health probe failed: {exc}")]
             self._stop.wait(self._interval)
 
     def checks(self) -> list[health.Check]:
@@ -295,21 +302,41 @@ def build_registry(collector: KimiCollector) -> CollectorRegistry:
     return registry
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT  # an idle client frees its handler (http_limits)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scraped every few seconds: not worth a journal line each
+
+
+def metrics_server(registry: CollectorRegistry, host: str, port: int, *,
+                   idle_timeout: float = IDLE_TIMEOUT) -> WSGIServer:
+    """/metrics on host:port, bounded as http_limits says; a port in use is bad input (exit 2), not a
+    failure systemd should retry every few seconds."""
+    try:
+        server = make_server(host, port, make_wsgi_app(registry),
+                             server_class=server_class(WSGIServer, host, "ExporterServer"),
+                             handler_class=type("Handler", (_QuietHandler,), {"timeout": idle_timeout}))
+    except OSError as exc:
+        raise UsageError(f"exporter: cannot listen on {host}:{port} ({exc.strerror}); another process has the "
+                         "port, or the address is not this host's: set exporter.port/host "
+                         "(kimi_exporter_port)") from None
+    threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True).start()
+    return server
+
+
 def serve_exporter(collector: KimiCollector, poller: HealthPoller | None, host: str, port: int,
                    stop: threading.Event) -> None:
     """Serve /metrics until `stop` is set."""
-    from prometheus_client import start_http_server
-
-    registry = build_registry(collector)
+    server = metrics_server(build_registry(collector), host, port)
     if poller:
         poller.start()
-    server, thread = start_http_server(port, addr=host, registry=registry)
     log.info("exporter listening on %s:%d", host, port)
     try:
         stop.wait()
     finally:
         server.shutdown()
-        thread.join(timeout=5)
+        server.server_close()
         if poller:
             poller.stop()
         collector.close()

@@ -104,7 +104,12 @@ def check_readiness(client: httpx.Client, target: Target) -> Check:
                      "/v1/models answered 401: set VLLM_API_KEY to the server's key (secrets.env)")
     if response.status_code != 200:
         return Check("readiness", DEGRADED, response.status_code, f"/v1/models answered {response.status_code}")
-    names = [m.get("id") for m in response.json().get("data", [])]
+    names = _model_ids(response)
+    if names is None:
+        return Check("readiness", DEGRADED, 200, f"/v1/models answered 200 but not with an OpenAI model list: "
+                     f"{_excerpt(response)}")
+    if not names:
+        return Check("readiness", DEGRADED, names, "/v1/models lists no model")
     if target.served_name and target.served_name not in names:
         return Check("readiness", DEGRADED, names,
                      f"/v1/models lists {names}, not the served name {target.served_name!r}")
@@ -147,17 +152,16 @@ def smoke_completion(client: httpx.Client, target: Target, model: str) -> SmokeR
     except httpx.HTTPError as exc:
         return SmokeResult(False, target.url, model, None, None, None, None, f"chat completion failed: {exc}")
     latency = round(time.monotonic() - started, 4)
-    try:
-        answer = response.json()
-        choices = answer.get("choices") or []
-    except (ValueError, AttributeError):
-        answer, choices = {}, []
-    if response.status_code != 200 or not choices:
+    if response.status_code != 200 or not _has_choices(response):
         return SmokeResult(False, target.url, model, response.status_code, latency, None, None,
-                           f"chat completion answered {response.status_code}: {response.text[:200]}")
-    reply = (choices[0].get("message") or {}).get("content") or ""
-    tokens = (answer.get("usage") or {}).get("completion_tokens")
-    return SmokeResult(True, target.url, model, 200, latency, reply[:200], tokens, None)
+                           f"chat completion answered {response.status_code}: {_excerpt(response)}")
+    answer = response.json()
+    message = answer["choices"][0].get("message") if isinstance(answer["choices"][0], dict) else None
+    reply = message.get("content") if isinstance(message, dict) else None
+    usage = answer.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return SmokeResult(True, target.url, model, 200, latency, str(reply or "")[:200],
+                       tokens if isinstance(tokens, int) else None, None)
 
 
 def check_smoke(client: httpx.Client, target: Target, model: str) -> Check:
@@ -165,6 +169,33 @@ def check_smoke(client: httpx.Client, target: Target, model: str) -> Check:
     if not result.ok:
         return Check("smoke", DEGRADED, None, str(result.error))
     return Check("smoke", OK, result.latency_s, f"chat completion in {result.latency_s:.3f} s")
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+
+
+def _model_ids(response: httpx.Response) -> list[Any] | None:
+    """The ids of /v1/models' `data` list; None when the body is not that shape."""
+    body = _json(response)
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        return None
+    return [m.get("id") for m in data]
+
+
+def _has_choices(response: httpx.Response) -> bool:
+    body = _json(response)
+    return isinstance(body, dict) and isinstance(body.get("choices"), list) and bool(body["choices"])
+
+
+def _excerpt(response: httpx.Response) -> str:
+    """The start of a body for a message: one line, printable."""
+    text = response.content[:200].decode("utf-8", errors="replace")
+    return repr(text) if text else "an empty body"
 
 
 def probe_endpoint(target: Target, client: httpx.Client | None = None) -> list[Check]:

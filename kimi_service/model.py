@@ -13,10 +13,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kimi_service import catalog
+from kimi_service import catalog, geometry, quantization
 from kimi_service.errors import UsageError
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+# The shape fields read from config.json besides the four required ones: whole numbers when present
+# (0 reads as absent), below int32's limit as in the engine's own tensors.
+_SHAPE_FIELDS = (
+    "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "kv_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
+    "n_routed_experts", "num_local_experts", "num_experts",
+)
+_MLA_FIELDS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+MAX_SHAPE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,14 @@ class ModelSpec:
     trust_remote_code: bool
     source: str  # where these facts came from, for people
     catalog_name: str | None = None
+    # A directory recognised as a catalog model by its shapes: the entry supplies flags, never the name.
+    matched_by_shape: bool = False
+    served_name: str = ""  # the name clients ask for when the operator gives none
+    context_why: str = ""  # how native_max_len was derived (length keys, RoPE scaling)
+    sliding_window: int | None = None
+    sliding_window_layers: int = 0  # layers that cache only the window
+    dual_chunk_attention: bool = False
+    notes: tuple[str, ...] = ()  # assumptions the estimate makes, warned about in every plan
 
     @property
     def weights_estimated(self) -> bool:
@@ -79,91 +97,125 @@ class ModelSpec:
         heads_per_rank = max(1, self.num_kv_heads // tensor_parallel)
         return 2 * layers * heads_per_rank * self.head_dim * per_value
 
+    def kv_bytes_per_sequence(
+        self, length: int, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, kv_dtype_bytes: int = 0,
+        window_slack: int = 0,
+    ) -> int:
+        """KV bytes one sequence of `length` tokens occupies on the busiest GPU.
+
+        Sliding-window layers hold at most the window plus one prefill chunk (`window_slack`, vLLM's
+        max_num_batched_tokens: SlidingWindowSpec.max_memory_usage_bytes); full-attention layers the whole
+        sequence. Each kind is split over PP stages rounding up, so the figure never undercounts.
+        """
+        if not self.sliding_window_layers or self.sliding_window is None:
+            return self.kv_bytes_per_token(tensor_parallel, pipeline_parallel, kv_dtype_bytes) * length
+        per_layer = self.kv_bytes_per_token(tensor_parallel, 1, kv_dtype_bytes) // self.num_layers
+        full = math.ceil((self.num_layers - self.sliding_window_layers) / pipeline_parallel)
+        local = math.ceil(self.sliding_window_layers / pipeline_parallel)
+        return per_layer * (full * length + local * min(length, self.sliding_window + window_slack))
+
     @property
     def embedding_bytes(self) -> int:
         """One vocab x hidden matrix at the checkpoint dtype (the embedding or the LM head)."""
         return self.vocab_size * self.hidden_size * _DTYPE_BYTES.get(self.dtype, 2)
 
 
-def _language_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Multimodal wrappers (Kimi K2.5, Qwen2.5-VL, Llama 4 ...) nest the language model under text_config.
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) else config
-
-
-def _quantization(config: Mapping[str, Any], text: Mapping[str, Any]) -> str | None:
-    quant = config.get("quantization_config") or text.get("quantization_config")
-    if not isinstance(quant, Mapping):
-        return None
-    method = str(quant.get("quant_method") or "compressed-tensors").lower()
-    if method == "compressed-tensors":
-        bits = {
-            group.get("weights", {}).get("num_bits")
-            for group in (quant.get("config_groups") or {}).values()
-            if isinstance(group, Mapping)
-        }
-        weight_type = {
-            group.get("weights", {}).get("type")
-            for group in (quant.get("config_groups") or {}).values()
-            if isinstance(group, Mapping)
-        }
-        if 4 in bits:
-            return "compressed-tensors int4"
-        if 8 in bits and "float" in weight_type:
-            return "compressed-tensors fp8"
-        if 8 in bits:
-            return "compressed-tensors int8"
-        return "compressed-tensors"
-    if method in ("awq", "gptq"):
-        return f"{method} int{quant.get('bits', 4)}"
-    return method
-
-
-def _bytes_per_parameter(quantization: str | None, dtype: str) -> float:
-    # Packed 4-bit weights carry group scales (about 1/16 extra at group size 32-128).
-    if quantization and "int4" in quantization:
-        return 0.5 * 17 / 16
-    if quantization and ("fp8" in quantization or "int8" in quantization):
-        return 1.0
-    return float(_DTYPE_BYTES.get(dtype, 2))
+def _quantization(config: Mapping[str, Any], text: Mapping[str, Any]) -> quantization.Scheme:
+    return quantization.scheme(config.get("quantization_config") or text.get("quantization_config"))
 
 
 def _int(text: Mapping[str, Any], key: str, what: str) -> int:
     value = text.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SHAPE:
         raise UsageError(
-            f"config.json has no usable {key!r} ({what}): got {value!r}; is this a causal language model?"
+            f"config.json has no usable {key!r} ({what}): got {_show(value)}; is this a causal language model?"
         )
     return value
 
 
-def estimate_parameters(text: Mapping[str, Any]) -> int:
-    """Parameter count from the config's shapes (norms and biases left out: under 0.1%)."""
-    hidden = int(text["hidden_size"])
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    vocab = int(text["vocab_size"])
-    embeddings = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_shape_fields(config: Mapping[str, Any], text: Mapping[str, Any]) -> None:
+    """Refuse, naming the key, what config.json holds where a shape or a name belongs."""
+    for key in _SHAPE_FIELDS:
+        value = text.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= MAX_SHAPE):
+            raise UsageError(f"config.json: {key} is {_show(value)}; expected a whole number from 0 to "
+                             f"{MAX_SHAPE:,}")
+    if text.get("kv_lora_rank"):
+        missing = [key for key in _MLA_FIELDS if not text.get(key)]
+        if missing:
+            raise UsageError(f"config.json: kv_lora_rank (latent attention) needs {', '.join(missing)} too")
+    for key in ("torch_dtype", "dtype", "model_type"):
+        for where in (config, text):
+            if where.get(key) is not None and not isinstance(where[key], str):
+                raise UsageError(f"config.json: {key} is {_show(where[key])}; expected a string")
+    for where in (config, text):
+        names = where.get("architectures")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise UsageError(f"config.json: architectures is {_show(names)}; expected a list of class names")
+
+
+def _attention_parameters(text: Mapping[str, Any], hidden: int, heads: int) -> int:
     if text.get("kv_lora_rank"):
         nope, rope, value = text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"]
         q_lora = text.get("q_lora_rank")
         query = hidden * q_lora + q_lora * heads * (nope + rope) if q_lora else hidden * heads * (nope + rope)
         kv = hidden * (text["kv_lora_rank"] + rope) + text["kv_lora_rank"] * heads * (nope + value)
-        attention = query + kv + heads * value * hidden
-    else:
-        head_dim = int(text.get("head_dim") or hidden // heads)
-        kv_heads = int(text.get("num_key_value_heads") or heads)
-        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        return query + kv + heads * value * hidden
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+
+
+def parameter_groups(text: Mapping[str, Any]) -> dict[str, int]:
+    """Parameters by what they are (norms and biases left out: under 0.1%), so each can have its own width."""
+    hidden = int(text["hidden_size"])
+    layers = int(text["num_hidden_layers"])
+    vocab = int(text["vocab_size"])
+    embed = vocab * hidden
+    groups = {
+        "embed": embed,
+        "lm_head": 0 if text.get("tie_word_embeddings") else embed,
+        "attention": layers * _attention_parameters(text, hidden, int(text["num_attention_heads"])),
+    }
     dense_mlp = 3 * hidden * int(text.get("intermediate_size") or 4 * hidden)
     experts = _num_experts(text)
     if not experts:
-        return embeddings + layers * (attention + dense_mlp)
+        return {**groups, "mlp": layers * dense_mlp}
     moe_inter = int(text.get("moe_intermediate_size") or text.get("intermediate_size"))
     shared = int(text.get("n_shared_experts") or 0)
     shared_inter = int(text.get("shared_expert_intermediate_size") or shared * moe_inter)
-    moe_mlp = (experts * moe_inter + shared_inter) * 3 * hidden + hidden * experts
     dense_layers = int(text.get("first_k_dense_replace") or 0)
-    return embeddings + layers * attention + dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
+    moe_layers = layers - dense_layers
+    return {
+        **groups,
+        "mlp": dense_layers * dense_mlp,
+        "experts": moe_layers * experts * moe_inter * 3 * hidden,
+        "shared_experts": moe_layers * shared_inter * 3 * hidden,
+        "router": moe_layers * hidden * experts,
+    }
+
+
+def estimate_parameters(text: Mapping[str, Any]) -> int:
+    """Parameter count from the config's shapes (norms and biases left out: under 0.1%)."""
+    return sum(parameter_groups(text).values())
+
+
+def estimate_weight_bytes(text: Mapping[str, Any], scheme: quantization.Scheme, dtype: str) -> int:
+    """Checkpoint bytes: quantized groups at the scheme's width, the rest at the checkpoint dtype."""
+    wide = float(_DTYPE_BYTES.get(dtype, 2))
+    narrow = scheme.bytes_per_weight or wide
+    layers = int(text["num_hidden_layers"])
+    total = 0.0
+    for group, count in parameter_groups(text).items():
+        kept = scheme.kept_fraction(group, layers)
+        total += count * (kept * wide + (1 - kept) * narrow)
+    return int(total)
 
 
 def _num_experts(text: Mapping[str, Any]) -> int | None:
@@ -184,22 +236,26 @@ def spec_from_config(
     catalog_name: str | None = None,
 ) -> ModelSpec:
     """ModelSpec from a parsed config.json; weight_bytes None means estimate it from the shapes."""
-    text = _language_config(config)
+    text = geometry.language_config(config)
     architectures = config.get("architectures") or text.get("architectures") or ["unknown"]
     layers = _int(text, "num_hidden_layers", "number of layers")
     hidden = _int(text, "hidden_size", "hidden size")
     heads = _int(text, "num_attention_heads", "attention heads")
-    vocab = _int(text, "vocab_size", "vocabulary size")
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or hidden // heads)
+    _int(text, "vocab_size", "vocabulary size")
+    check_shape_fields(config, text)
     mla = bool(text.get("kv_lora_rank"))
     dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    quantization = _quantization(config, text)
-    experts = _num_experts(text)
-    native = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 2048)
+    scheme = _quantization(config, text)
+    notes = [scheme.warning] if scheme.warning else []
+    context = geometry.context(text)
+    if context.assumed:
+        notes.append(f"{context.why}; pass --max-model-len if the model is longer")
     if weight_bytes is None:
-        weight_bytes = int(estimate_parameters(text) * _bytes_per_parameter(quantization, dtype))
+        weight_bytes = estimate_weight_bytes(text, scheme, dtype)
         weight_bytes_source = "estimated from config.json"
+    window = geometry.sliding_window(text, layers)
+    experts = _num_experts(text)
+    per_token = text.get("num_experts_per_tok") or text.get("experts_per_token")
     return ModelSpec(
         name=name,
         architecture=str(architectures[0]),
@@ -207,30 +263,32 @@ def spec_from_config(
         num_layers=layers,
         hidden_size=hidden,
         intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
-        vocab_size=vocab,
+        vocab_size=int(text["vocab_size"]),
         num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or hidden // heads),
         attention="mla" if mla else "gqa",
         kv_lora_rank=int(text["kv_lora_rank"]) if mla else None,
         qk_rope_head_dim=int(text["qk_rope_head_dim"]) if mla else None,
-        native_max_len=native,
+        native_max_len=context.length,
         weight_bytes=weight_bytes,
         weight_bytes_source=weight_bytes_source,
         dtype=dtype,
-        quantization=quantization,
+        quantization=scheme.label,
         is_moe=experts is not None,
         num_experts=experts,
-        experts_per_token=int(text["num_experts_per_tok"])
-        if experts and text.get("num_experts_per_tok")
-        else None,
-        moe_intermediate_size=int(text["moe_intermediate_size"])
-        if text.get("moe_intermediate_size")
-        else None,
-        multimodal=text is not config or "vision_config" in config,
+        experts_per_token=int(per_token) if experts and per_token else None,
+        moe_intermediate_size=int(text["moe_intermediate_size"]) if text.get("moe_intermediate_size") else None,
+        multimodal="text_config" in config or "vision_config" in config,
         trust_remote_code="auto_map" in config,
         source=source,
         catalog_name=catalog_name,
+        served_name=name,
+        context_why=context.why,
+        sliding_window=window.window if window else None,
+        sliding_window_layers=window.layers if window else 0,
+        dual_chunk_attention=geometry.dual_chunk(text),
+        notes=tuple(notes),
     )
 
 
@@ -238,17 +296,38 @@ def _weight_bytes(directory: Path) -> tuple[int | None, str]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            data = json.loads(index.read_text())
         except (OSError, ValueError) as exc:
             raise UsageError(
                 f"cannot read {index}: {exc}; re-download the model or remove the broken index"
             ) from exc
+        metadata = data.get("metadata") if isinstance(data, dict) else None
+        total = metadata.get("total_size") if isinstance(metadata, dict) else None
         if isinstance(total, int) and total > 0:
             return total, "safetensors index"
     files = sorted(directory.glob("*.safetensors"))
     if files:
         return sum(f.stat().st_size for f in files), "safetensors files"
+    gguf = sorted(directory.glob("*.gguf"))
+    if gguf:
+        return sum(f.stat().st_size for f in gguf), "gguf file" if len(gguf) == 1 else "gguf files"
     return None, "estimated from config.json"
+
+
+def _with_modelopt_config(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """ModelOpt exports describe their quantization in hf_quant_config.json; vLLM reads it when config.json
+    has no quantization_config (ModelOptFp8Config / ModelOptNvFp4Config), and so does the planner."""
+    path = directory / "hf_quant_config.json"
+    if "quantization_config" in config or not path.is_file():
+        return config
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}; it must be ModelOpt's JSON quantization config") from exc
+    quant = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(quant, dict):
+        return config
+    return {**config, "quantization_config": {"quant_method": "modelopt", **quant}}
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
@@ -268,17 +347,26 @@ def inspect_model(path_or_repo_id: str) -> ModelSpec:
     """ModelSpec for a model directory or a catalog name (a Hugging Face repo id). Raises UsageError."""
     directory = Path(path_or_repo_id).expanduser()
     if directory.is_dir():
-        config = _read_config(directory)
+        config = _with_modelopt_config(_read_config(directory), directory)
         weight_bytes, weight_source = _weight_bytes(directory)
-        spec = spec_from_config(
-            config,
-            name=str(directory),
-            weight_bytes=weight_bytes,
-            weight_bytes_source=weight_source,
-            source=f"{directory / 'config.json'}",
-        )
+        try:
+            spec = spec_from_config(
+                config,
+                name=str(directory),
+                weight_bytes=weight_bytes,
+                weight_bytes_source=weight_source,
+                source=f"{directory / 'config.json'}",
+            )
+        except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+            # What check_shape_fields does not foresee still ends as bad input, not a traceback.
+            raise UsageError(f"{directory / 'config.json'}: a field has an unexpected value "
+                             f"({type(exc).__name__}: {_show(str(exc))}); is this a Hugging Face model "
+                             "config?") from None
+        spec = replace(spec, served_name=directory.resolve().name)
+        if weight_source.startswith("gguf"):
+            spec = replace(spec, quantization="gguf", notes=(*spec.notes, *_gguf_notes(weight_source)))
         entry = catalog_entry_for(spec)
-        return spec if entry is None else replace(spec, catalog_name=entry.repo_id)
+        return spec if entry is None else replace(spec, catalog_name=entry.repo_id, matched_by_shape=True)
     entry = catalog.get(path_or_repo_id)
     if entry is None:
         raise UsageError(
@@ -286,6 +374,14 @@ def inspect_model(path_or_repo_id: str) -> ModelSpec:
             f"use a downloaded model directory or one of: {', '.join(catalog.names())}"
         )
     return spec_from_catalog(entry)
+
+
+def _gguf_notes(source: str) -> tuple[str, ...]:
+    notes = ("GGUF: vLLM serves a GGUF file for the architectures its GGUF loader knows, with the tokenizer "
+             "of the original model (--tokenizer); weights sized from the file",)
+    if source == "gguf files":
+        notes += ("vLLM loads a single-file GGUF only: merge the parts (gguf-split --merge) first",)
+    return notes
 
 
 def _shape(spec: ModelSpec) -> tuple[Any, ...]:

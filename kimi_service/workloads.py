@@ -9,6 +9,9 @@ from dataclasses import dataclass
 class Workload:
     name: str
     target_concurrency: int  # sequences at max_model_len the KV cache should hold
+    # Fewest sequences at max_model_len a plan may hold; below it the planner refuses (a cache for one
+    # sequence serves chat one user at a time, and the reserve estimate's error can take it away).
+    min_concurrency: int = 1
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = False
@@ -21,10 +24,13 @@ class Workload:
 PROFILES: dict[str, Workload] = {
     profile.name: profile
     for profile in (
-        Workload(name="chat", target_concurrency=8, why="interactive chat: vLLM defaults batch well"),
+        Workload(
+            name="chat", target_concurrency=8, min_concurrency=2, why="interactive chat: vLLM defaults batch well"
+        ),
         Workload(
             name="shared-prefix",
             target_concurrency=8,
+            min_concurrency=2,
             max_num_batched_tokens=16384,
             prefix_caching=True,
             why="many requests share a long system prompt or documents: cache and reuse their KV",
@@ -47,6 +53,7 @@ PROFILES: dict[str, Workload] = {
         Workload(
             name="throughput",
             target_concurrency=32,
+            min_concurrency=4,
             max_num_seqs=512,
             max_num_batched_tokens=16384,
             fp8_kv=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kimi_service import catalog
 from kimi_service.hardware import parse_gpu_spec
-from kimi_service.model import spec_from_catalog
+from kimi_service.model import ModelSpec, inspect_model, spec_from_catalog
 from kimi_service.planner import DoesNotFit, plan
 
 RENTALS = (
@@ -23,12 +23,34 @@ RENTALS = (
     ("8 x H200", "8xH200", 1),
     ("2 nodes x 8 x A100-80GB", "A100-SXM4-80GB:8", 2),
 )
+# Published checkpoints planned from their config.json (tests/fixtures/models), on the rentals they fit.
+CHECKPOINTS = (
+    "openai/gpt-oss-20b",
+    "openai/gpt-oss-120b",
+    "nvidia/Llama-3.3-70B-Instruct-FP8",
+    "nvidia/Llama-3.3-70B-Instruct-FP4",
+    "Qwen/Qwen2.5-7B-Instruct+yarn4",
+    "Qwen/Qwen2.5-7B-Instruct-1M",
+    "google/gemma-3-27b-it",
+)
+CHECKPOINT_RENTALS = (
+    ("1 x RTX 4090 (24 GB)", "RTX-4090:1", None),
+    ("1 x H100-80GB", "H100-SXM:1", None),
+    ("2 x H100-80GB", "H100-SXM:2", None),
+    ("1 x H200", "H200:1", None),
+    ("2 x H100-80GB, full context", "H100-SXM:2", "native"),
+)
+FIXTURES = Path("tests/fixtures/models")
 OUTPUT = Path("docs/planner-verdicts.md")
 
 
 def verdict(repo_id: str, gpus_spec: str, nodes: int) -> str:
+    return _cell(spec_from_catalog(catalog.get(repo_id)), gpus_spec, nodes=nodes)
+
+
+def _cell(spec: ModelSpec, gpus_spec: str, *, nodes: int = 1, length: int | None = None) -> str:
     try:
-        result = plan(spec_from_catalog(catalog.get(repo_id)), parse_gpu_spec(gpus_spec), nodes=nodes)
+        result = plan(spec, parse_gpu_spec(gpus_spec), nodes=nodes, max_model_len=length)
     except DoesNotFit as error:
         return (
             f"no: needs ~{error.needed_bytes / 2**30:,.0f} GiB, has {error.available_bytes / 2**30:,.0f} GiB"
@@ -39,6 +61,13 @@ def verdict(repo_id: str, gpus_spec: str, nodes: int) -> str:
     return f"yes: {layout}, {result.max_model_len // 1024}K ctx, {result.max_concurrency} seqs"
 
 
+def _head(leading: tuple[str, ...], rentals: tuple[tuple[str, str, object], ...]) -> list[str]:
+    """A markdown table's header and alignment rows: the leading columns right-aligned, one per rental."""
+    names = [*leading, *(label for label, _, _ in rentals)]
+    aligns = ["---", *(["---:"] * (len(leading) - 1)), *(["---"] * len(rentals))]
+    return ["| " + " | ".join(names) + " |", "| " + " | ".join(aligns) + " |"]
+
+
 def render() -> str:
     lines = [
         "# Will it fit? The planner's verdicts",
@@ -47,13 +76,33 @@ def render() -> str:
         "Each cell: tensor x pipeline parallel sizes, the context length planned, and how many sequences",
         "of that length the KV cache holds at once; or the GPU memory needed and available.",
         "",
-        "| model | weights | " + " | ".join(label for label, _, _ in RENTALS) + " |",
-        "| --- | ---: | " + " | ".join("---" for _ in RENTALS) + " |",
+        *_head(("model", "weights"), RENTALS),
     ]
     for entry in catalog.ENTRIES:
         cells = [verdict(entry.repo_id, spec, nodes) for _, spec, nodes in RENTALS]
         lines.append(
             f"| `{entry.repo_id}` | {entry.weight_bytes / 1e9:,.0f} GB | " + " | ".join(cells) + " |"
+        )
+    lines.extend([
+        "",
+        "## Published checkpoints, planned from their config.json",
+        "",
+        "Each row reads the checkpoint's own config.json (tests/fixtures/models): its quantization format and",
+        "the tensors it keeps in BF16, its context (RoPE scaling, sliding windows, dual chunk attention). Weights",
+        "are estimated from the config (no safetensors index in the fixtures). The last column asks for the",
+        "model's whole context.",
+        "",
+        *_head(("checkpoint", "weights (est.)", "context"), CHECKPOINT_RENTALS),
+    ])
+    for repo_id in CHECKPOINTS:
+        spec = inspect_model(str(FIXTURES / repo_id.replace("/", "--")))
+        cells = [
+            _cell(spec, gpus, length=spec.native_max_len if length == "native" else None)
+            for _, gpus, length in CHECKPOINT_RENTALS
+        ]
+        lines.append(
+            f"| `{repo_id}` ({spec.quantization or spec.dtype}) | {spec.weight_bytes / 1e9:,.0f} GB | "
+            f"{spec.native_max_len // 1024:,}K | " + " | ".join(cells) + " |"
         )
     lines.append("")
     return "\n".join(lines)

@@ -16,8 +16,9 @@ running unit) when a follower stops answering or comes back as a new instance: v
 keeps answering 200 on the leader after a follower died, until a request fails.
 
 Without systemd (supervisord on a container rental): `serve --env-file --user` reads the secrets and drops
-root itself, serve.watchdog_sec stands in for WatchdogSec=, and vLLM dies with serve (PR_SET_PDEATHSIG, and
-a leftover engine group killed at the next start), where no cgroup would catch it.
+root itself, serve.watchdog_sec stands in for WatchdogSec=, and vLLM dies with serve (PR_SET_PDEATHSIG, a
+guard that kills the engine's group once serve is gone, a leftover group killed at the next start), where no
+cgroup would catch it.
 
 Modules: `launch` (plan -> the engine's argv and environment, plan.json), `engine` (the child process and
 its API), `supervisor` (the main loop), `follower` (a follower node's loop), `cluster` (rendezvous and the

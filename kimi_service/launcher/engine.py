@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kimi_service.errors import EngineFailed
 from kimi_service.launcher.launch import Launch
 from kimi_service.launcher.output import CauseFinder, tee
-from kimi_service.launcher.process import EngineGroupRecord, die_with_parent
+from kimi_service.launcher.process import EngineGroupRecord, die_with_parent, guard_group
 from kimi_service.sdnotify import Notifier
 
 # serve's journal lines carry one name, whichever of its modules writes them.
@@ -77,6 +77,7 @@ class EngineProcess:
         self.ready = False  # set once it answered; an exit before that is a failed start
         self.cause = CauseFinder()
         self._output: list[threading.Thread] = []
+        self._guard: subprocess.Popen[bytes] | None = None
 
     def spawn(self) -> None:
         log.info("starting vLLM: %s", " ".join(self.launch.argv))
@@ -86,6 +87,7 @@ class EngineProcess:
         self.child = subprocess.Popen(self.launch.argv, env=self.launch.env, start_new_session=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       preexec_fn=die_with_parent())
+        self._guard = guard_group(self.child.pid)  # its workers do not get the death signal: this kills them
         if self.record:
             self.record.write(self.child.pid)
         assert self.child.stdout is not None and self.child.stderr is not None
@@ -141,6 +143,10 @@ class EngineProcess:
         if code is None:
             code = self.child.wait()
         self.drain_output()
+        if self._guard is not None:
+            assert self._guard.stdin is not None
+            self._guard.stdin.close()
+            self._guard.wait()
         if self.record:
             self.record.clear()
         log.info("vLLM stopped (%s)", describe_exit(code))

@@ -1,5 +1,11 @@
-"""vLLM never outlives serve: the kernel kills the engine when serve dies (PR_SET_PDEATHSIG), and a start
-kills an engine process group a serve that died left behind (recorded in `<state_dir>/run/engine.pgid`).
+"""vLLM never outlives serve: the kernel kills the engine when serve dies (PR_SET_PDEATHSIG), a guard process
+then kills the rest of its group, and a start kills an engine process group a serve that died left behind
+(recorded in `<state_dir>/run/engine.pgid`).
+
+The death signal reaches only the API server: vLLM's engine core and workers, its children, survive it
+(measured on 0.32: reparented to PID 1, holding the model's memory). The guard, in a session of its own so
+that a kill of serve's group spares it, waits on a pipe only serve holds open; when serve dies, however it
+dies, the pipe closes and the guard kills the engine's whole group.
 
 Under systemd the unit's cgroup already catches strays; under supervisord or a shell nothing else would,
 and a stray engine holds the GPUs' memory and the API port, so the next engine cannot start.
@@ -13,6 +19,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +48,17 @@ def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None]:
             os.kill(os.getpid(), signum)
 
     return set_signal
+
+
+_GUARD = ("import os, signal, sys\n"
+          "sys.stdin.buffer.read()\n"  # returns once serve, the only writer, closed the pipe or died
+          "try:\n    os.killpg(int(sys.argv[1]), signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n")
+
+
+def guard_group(pgid: int) -> subprocess.Popen[bytes]:
+    """A process that kills process group `pgid` once serve dies, or once serve closes its stdin."""
+    return subprocess.Popen([sys.executable, "-c", _GUARD, str(pgid)], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 @dataclass(frozen=True)

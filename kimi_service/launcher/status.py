@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
+
+from kimi_service.http_limits import IDLE_TIMEOUT, server_class
 
 
 class Readiness:
@@ -31,13 +32,15 @@ class Readiness:
 
 
 def status_server(host: str, port: int, path: str, document: Callable[[], tuple[int, dict[str, Any]]],
-                  not_found: str) -> ThreadingHTTPServer:
-    """A JSON status page on GET `path` (every other path gets 404 with `not_found`), in a thread."""
+                  not_found: str, *, idle_timeout: float = IDLE_TIMEOUT) -> HTTPServer:
+    """A JSON status page on GET `path` (every other path gets 404 with `not_found`), in a thread; a
+    client silent for `idle_timeout` seconds is dropped and at most MAX_HANDLERS are served at once."""
 
     class Handler(BaseHTTPRequestHandler):
         # Buffered, so the status line, headers and body leave in one write: HAProxy resets a check's
         # connection as soon as it has read the status, and a body sent after that would fail.
         wbufsize = 1 << 16
+        timeout = idle_timeout
 
         def handle(self) -> None:
             with contextlib.suppress(ConnectionError):  # a checker that hung up is not our error
@@ -58,9 +61,6 @@ def status_server(host: str, port: int, path: str, document: Callable[[], tuple[
         def log_message(self, format: str, *args: Any) -> None:
             pass  # probed every few seconds: not worth a journal line each
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # Reuse: systemd restarts a failed unit 15 s later, while its old socket may sit in TIME_WAIT.
-    server_class = type("StatusServer", (ThreadingHTTPServer,), {"address_family": family, "allow_reuse_address": True})
-    server = server_class((host, port), Handler)
+    server = server_class(HTTPServer, host, "StatusServer")((host, port), Handler)
     threading.Thread(target=server.serve_forever, name=f"status{path}", daemon=True).start()
     return server

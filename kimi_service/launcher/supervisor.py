@@ -173,7 +173,8 @@ class Supervisor:
                 failures += 1
                 self.readiness.set("engine not answering")
                 self.notifier.notify(STATUS=f"engine not answering /health ({failures} probes)")
-                log.warning("vLLM /health did not answer (%d in a row); withholding the watchdog ping", failures)
+                log.warning("vLLM /health did not answer (%d in a row)%s", failures,
+                            "; withholding the watchdog ping" if self.pace.watchdog else "")
                 self._own_watchdog(time.monotonic() - answered)
             self.stopping.wait(self.pace.interval)
 

@@ -11,7 +11,16 @@ from kimi_service.errors import KimiError
 from kimi_service.hardware import inventory_of, known_gpu
 from kimi_service.model import spec_from_catalog
 from kimi_service.planner.budget import memory_budget
-from kimi_service.planner.fit import Problem, candidates, floor_len, knobs_for, try_fit
+from kimi_service.planner.fit import (
+    LONG_PREFILL_TOKENS,
+    Problem,
+    candidates,
+    floor_len,
+    knobs_for,
+    long_prefill,
+    sequence_bytes,
+    try_fit,
+)
 from kimi_service.planner.overrides import Overrides
 from kimi_service.planner.render import gib, size
 
@@ -37,6 +46,30 @@ def _layout_if_fits(problem: Problem) -> str | None:
     """`TP 8 x PP 2` when the model fits as the planner would plan it without overrides, else None."""
     found = try_fit(replace(problem, overrides=Overrides()))
     return found.parallel.describe() if found else None
+
+
+def _flag_changes(problem: Problem) -> Iterator[str]:
+    """Flags that make it fit on the same hardware, cheapest first: FP8 KV where the GPU has FP8 (half
+    the cache per token), no CUDA graphs (their memory back, some decode speed lost), both."""
+    knobs = knobs_for(problem)
+    options: list[tuple[tuple[tuple[str, str | None], ...], str]] = []
+    if problem.gpus.fp8 and knobs.kv_dtype == "auto":
+        options.append(((("--kv-cache-dtype", "fp8"),), f"FP8 KV halves the cache per token ({problem.gpus.name} "
+                        "has FP8)"))
+    if not knobs.enforce_eager:
+        options.append(((("--enforce-eager", None),), "no CUDA graphs: their memory goes to the KV cache, at some "
+                        "decode speed"))
+    if len(options) == 2:
+        options.append((options[0][0] + options[1][0], f"{options[0][1]}; {options[1][1]}"))
+    for pairs, why in options:
+        fit = try_fit(replace(problem, overrides=Overrides(problem.overrides.pairs + pairs)))
+        if fit is not None:
+            flags = " ".join(flag if value is None else f"{flag} {value}" for flag, value in pairs)
+            yield (
+                f"{flags} on this hardware ({fit.parallel.describe()}, {fit.max_model_len:,}-token context, "
+                f"{fit.max_concurrency} sequence(s)): {why}"
+            )
+            return
 
 
 def _more_gpus(problem: Problem) -> Iterator[str]:
@@ -93,9 +126,8 @@ def _other_models(problem: Problem, found: list[str]) -> list[str]:
 
 def suggestions(problem: Problem) -> list[str]:
     """Configurations that would serve this model (or a catalog alternative that fits this hardware)."""
-    result = list(_more_gpus(problem))
-    if not result:
-        result.extend(_more_nodes(problem))
+    result = list(_flag_changes(problem))
+    result.extend(list(_more_gpus(problem)) or _more_nodes(problem))
     result.extend(_larger_gpus(problem))
     result.extend(_other_models(problem, found=result))
     return result
@@ -115,16 +147,20 @@ def does_not_fit(problem: Problem) -> DoesNotFit:
             suggestions=suggestions(problem),
         )
     largest = max(groups, key=lambda group: group.gpus)
-    budget = memory_budget(model, gpus, largest, knobs)
     length = problem.requested_len or floor_len(model)
-    kv_needed = model.kv_bytes_per_token(largest.tensor, largest.pipeline, knobs.kv_dtype_bytes) * length
+    if model.dual_chunk_attention and length > LONG_PREFILL_TOKENS:
+        knobs = long_prefill(knobs, problem.overrides)
+    budget = memory_budget(model, gpus, largest, knobs)
+    least = max(problem.profile.min_concurrency, 1)
+    kv_needed = sequence_bytes(model, largest, knobs, length) * least
     per_gpu = budget.weights_bytes + budget.reserve_bytes + kv_needed
     needed = math.ceil(per_gpu * largest.gpus / knobs.utilization)
     available = gpus.memory_bytes * largest.gpus
+    sequences = "one" if least == 1 else f"{least} (the {problem.profile.name} workload's minimum)"
     message = (
         f"{model.name} does not fit on {problem.hardware}: it needs about {size(needed)} of GPU memory "
-        f"(weights {size(model.weight_bytes)} + per-GPU reserve {gib(budget.reserve_bytes)} + KV cache for one "
-        f"{length:,}-token sequence, at --gpu-memory-utilization {knobs.utilization:.2f}, {largest.describe()}), "
-        f"but the {largest.gpus} GPU(s) have {size(available)}."
+        f"(weights {size(model.weight_bytes)} + per-GPU reserve {gib(budget.reserve_bytes)} + KV cache for "
+        f"{sequences} {length:,}-token sequence(s), at --gpu-memory-utilization {knobs.utilization:.2f}, "
+        f"{largest.describe()}), but the {largest.gpus} GPU(s) have {size(available)}."
     )
     return DoesNotFit(message, needed_bytes=needed, available_bytes=available, suggestions=suggestions(problem))

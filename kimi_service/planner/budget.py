@@ -64,6 +64,7 @@ class Knobs:
     enforce_eager: bool
     speculative: Speculative | None
     expert_parallel: bool
+    long_prefill: bool = False  # dual chunk attention past 131,072 tokens: the model card's prefill chunks
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,9 @@ class Draft:
 
 def endpoint_flags(model: ModelSpec, endpoint: Endpoint) -> list[Flag]:
     return [
-        Flag("--served-model-name", endpoint.served_model_name or model.catalog_name or model.name,
-             "the name clients put in the request's model field"),
+        Flag("--served-model-name", endpoint.served_model_name or model.served_name or model.name,
+             "the name clients put in the request's model field"
+             + ("" if endpoint.served_model_name else " (the model's own name; set served_name to change it)")),
         Flag("--host", endpoint.host, "address the OpenAI API listens on"),
         Flag("--port", str(endpoint.port), "port of the OpenAI API"),
     ]
@@ -94,7 +95,11 @@ def model_flags(model: ModelSpec, entry: CatalogEntry | None, *, leave_out: Iter
     """What the model itself needs: its catalog entry's flags, or remote code a config.json points at."""
     if entry:
         skipped = set(leave_out)
-        return [flag for flag in catalog_flags(entry) if flag.name not in skipped]
+        flags = [flag for flag in catalog_flags(entry) if flag.name not in skipped]
+        if model.matched_by_shape:
+            flags = [Flag(f.name, f.value, f"{f.why} [flags of catalog entry {entry.repo_id}, which this directory "
+                                           "matches by architecture, geometry and quantization]") for f in flags]
+        return flags
     if model.trust_remote_code:
         return [Flag("--trust-remote-code", None, "config.json's auto_map points at code in the model repo")]
     return []
@@ -133,7 +138,7 @@ def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft, *, ex
         kv_cache_tokens=fit.kv_cache_tokens,
         warnings=draft.warnings,
         reasons=reasons,
-        model=model.catalog_name or model.name,
+        model=model.name,
         hardware=problem.hardware,
         engine="cpu" if gpus.is_cpu else "cuda",
         workload=problem.profile.name,

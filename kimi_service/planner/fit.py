@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kimi_service.catalog import CatalogEntry
 from kimi_service.hardware import GpuInventory
 from kimi_service.model import ModelSpec
 from kimi_service.planner.budget import (
+    DEFAULT_BATCHED_TOKENS,
     GPU_MEMORY_UTILIZATION,
     Knobs,
     MemoryBudget,
@@ -20,6 +22,10 @@ from kimi_service.workloads import PROFILES, Workload
 
 MIN_CONTEXT = 4096  # below this a chat deployment is not useful; never plan shorter unless the model is
 FP8_BLOCK = 128  # FP8 block-quantized experts split under TP only in whole 128-wide blocks
+# Qwen's -1M model cards (dual chunk attention) serve contexts past this length with
+# --max-num-batched-tokens 131072 --enforce-eager: prefill runs in 131,072-token chunks, and its
+# activations are part of the memory a long context needs (the cards ask for >= 120 GB for the 7B).
+LONG_PREFILL_TOKENS = 131_072
 
 
 @dataclass(frozen=True)
@@ -48,9 +54,13 @@ class Fit:
     kv_cache_tokens: int
     budget: MemoryBudget | None = None  # None on the CPU engine, which has no GPU to budget
     knobs: Knobs | None = None
+    concurrency: int | None = None  # sequences of max_model_len held (sliding windows counted)
+    choice: str = ""  # why this group, when it is not simply the smallest that serves the workload
 
     @property
     def max_concurrency(self) -> int:
+        if self.concurrency is not None:
+            return self.concurrency
         return self.kv_cache_tokens // self.max_model_len if self.max_model_len else 0
 
 
@@ -68,18 +78,25 @@ def floor_len(model: ModelSpec) -> int:
     return min(model.native_max_len, MIN_CONTEXT)
 
 
-def _choose_len(model: ModelSpec, tokens: int, requested: int | None, profile: Workload) -> int | None:
-    """The context length to serve, or None when the KV cache cannot hold a useful one."""
+def _choose_len(
+    model: ModelSpec, held: Callable[[int], int], requested: int | None, profile: Workload, limit: int
+) -> int | None:
+    """The context length to serve, or None when the KV cache cannot hold a useful one.
+
+    `held(length)` is how many sequences of that length the cache holds; a plan must hold the workload's
+    min_concurrency of them.
+    """
+    least = max(profile.min_concurrency, 1)
     if requested is not None:
-        return requested if tokens >= requested else None
-    floor = floor_len(model)
-    if tokens < floor:
+        return requested if held(requested) >= least else None
+    floor = min(floor_len(model), limit)
+    if held(floor) < least:
         return None
-    length = model.native_max_len
+    length = limit
     # Halve until the cache holds the workload's batch of full-length sequences, but not below the floor.
-    while length > floor and tokens < profile.target_concurrency * length:
+    while length > floor and held(length) < profile.target_concurrency:
         length = max(floor, length // 2)
-    return min(length, tokens)
+    return length
 
 
 def candidates(problem: Problem) -> list[Parallelism]:
@@ -119,22 +136,80 @@ def needs_expert_parallel(model: ModelSpec, tp: int) -> bool:
     return model.is_moe and tp > 1 and model.quantization == "fp8" and (expert_width // tp) % FP8_BLOCK != 0
 
 
+def sequence_bytes(model: ModelSpec, parallel: Parallelism, knobs: Knobs, length: int) -> int:
+    """KV bytes one sequence of `length` tokens takes on the busiest GPU of the group."""
+    return model.kv_bytes_per_sequence(
+        length, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
+        kv_dtype_bytes=knobs.kv_dtype_bytes, window_slack=knobs.batched_tokens or DEFAULT_BATCHED_TOKENS,
+    )
+
+
+def sequences_held(
+    model: ModelSpec, budget: MemoryBudget, parallel: Parallelism, knobs: Knobs
+) -> Callable[[int], int]:
+    """How many sequences of a length the group's KV cache holds (in vLLM's 16-token blocks when every
+    layer caches every token; sliding-window layers counted at their window)."""
+    tokens = kv_tokens(model, budget, parallel, knobs)
+    if not model.sliding_window_layers:
+        return lambda length: tokens // length
+    return lambda length: budget.kv_cache_bytes // sequence_bytes(model, parallel, knobs, length)
+
+
+def long_prefill(knobs: Knobs, overrides: Overrides) -> Knobs:
+    """The knobs of a dual-chunk-attention model serving past LONG_PREFILL_TOKENS (its model card's)."""
+    tokens = overrides.integer("--max-num-batched-tokens") or max(knobs.batched_tokens or 0, LONG_PREFILL_TOKENS)
+    return replace(knobs, batched_tokens=tokens, enforce_eager=True, long_prefill=True)
+
+
+def _evaluate(problem: Problem, parallel: Parallelism, knobs: Knobs, limit: int) -> Fit | None:
+    model = problem.model
+    budget = memory_budget(model, problem.gpus, parallel, knobs)
+    held = sequences_held(model, budget, parallel, knobs)
+    length = _choose_len(model, held, problem.requested_len, problem.profile, limit)
+    if length is None:
+        return None
+    return Fit(parallel=parallel, max_model_len=length, kv_cache_tokens=kv_tokens(model, budget, parallel, knobs),
+               budget=budget, knobs=knobs, concurrency=held(length))
+
+
+def _fit_group(problem: Problem, parallel: Parallelism, knobs: Knobs) -> Fit | None:
+    """This group's fit; a dual-chunk model past LONG_PREFILL_TOKENS is costed with its long-prefill knobs,
+    else kept at that length with the default ones."""
+    model, requested = problem.model, problem.requested_len
+    if not model.dual_chunk_attention or (requested or model.native_max_len) <= LONG_PREFILL_TOKENS:
+        return _evaluate(problem, parallel, knobs, model.native_max_len)
+    long = _evaluate(problem, parallel, long_prefill(knobs, problem.overrides), model.native_max_len)
+    if long is not None and long.max_model_len > LONG_PREFILL_TOKENS:
+        return long
+    if requested:
+        return None
+    return _evaluate(problem, parallel, knobs, LONG_PREFILL_TOKENS)
+
+
 def try_fit(problem: Problem) -> Fit | None:
-    """The smallest group that serves the workload, else the smallest that serves at all, else None."""
-    model, profile, requested = problem.model, problem.profile, problem.requested_len
+    """The smallest group that serves the workload; else, of the groups that fit at all, the one serving the
+    longest context with the most KV on the GPUs there are; else None."""
+    profile, requested = problem.profile, problem.requested_len
     knobs = knobs_for(problem)
     fitting: list[Fit] = []
     for parallel in candidates(problem):
         these = knobs if not (knobs.speculative and parallel.pipeline > 1) else replace(knobs, speculative=None)
-        budget = memory_budget(model, problem.gpus, parallel, these)
-        tokens = kv_tokens(model, budget, parallel, these)
-        length = _choose_len(model, tokens, requested, profile)
-        if length is None:
+        fit = _fit_group(problem, parallel, these)
+        if fit is None:
             continue
-        fitting.append(Fit(parallel=parallel, max_model_len=length, kv_cache_tokens=tokens, budget=budget,
-                           knobs=these))
-        # The smallest group whose cache holds the workload's batch at the shortest useful context wins;
-        # a smaller one that only just loads the weights is kept as the fallback.
-        if tokens >= profile.target_concurrency * (requested or floor_len(model)):
-            return fitting[-1]
-    return fitting[0] if fitting else None
+        fitting.append(fit)
+        # The smallest group whose cache holds the workload's batch at the shortest useful context wins.
+        assert fit.budget is not None and fit.knobs is not None
+        held = sequences_held(problem.model, fit.budget, parallel, fit.knobs)
+        if held(requested or floor_len(problem.model)) >= profile.target_concurrency:
+            return fit
+    if not fitting:
+        return None
+    best = max(fitting, key=lambda f: (f.max_model_len, f.max_concurrency, -f.parallel.gpus, -f.parallel.pipeline))
+
+    why = (
+        f"no group holds the {profile.name} target of {profile.target_concurrency} sequences; of those that fit, "
+        f"{best.parallel.describe()} serves the longest context ({best.max_model_len:,}) with the most KV "
+        f"({best.max_concurrency} sequence(s))"
+    )
+    return replace(best, choice=why)

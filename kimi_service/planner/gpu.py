@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 from kimi_service import catalog
-from kimi_service.hardware import GpuInventory
+from kimi_service.hardware import GIB, GpuInventory
 from kimi_service.planner.budget import Knobs, MemoryBudget
 from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
 from kimi_service.planner.fit import Fit, Problem, needs_expert_parallel
 from kimi_service.planner.render import gib
 from kimi_service.workloads import Workload
+
+FRAGILE_KV_BYTES = 2 * GIB  # less KV than this is within the reserve estimate's error
 
 
 def generation(compute_capability: tuple[int, int]) -> str:
@@ -30,6 +32,7 @@ def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
     _length_flag(problem, fit, draft)
     _memory_flags(fit.budget, fit.knobs, draft)
     _workload_flags(problem.profile, draft)
+    _long_prefill_flags(fit.knobs, draft)
     expert_parallel = _expert_parallel_flag(problem, fit, draft)
     _model_flags(problem, draft)
     _speculative_flag(problem, fit, draft)
@@ -41,10 +44,11 @@ def _parallel_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
     model, tp, pp = problem.model, fit.parallel.tensor, fit.parallel.pipeline
     assert fit.budget is not None
     kv_heads = f" and {model.num_kv_heads} KV heads" if model.attention == "gqa" else " (MLA latent KV is per rank)"
+    chosen = fit.choice or "smallest TP that fits"
     draft.flags.append(Flag(
         "--tensor-parallel-size",
         str(tp),
-        f"smallest TP that fits: {gib(fit.budget.weights_bytes)} of weights per GPU; "
+        f"{chosen}: {gib(fit.budget.weights_bytes)} of weights per GPU; "
         f"divides the {model.num_attention_heads} attention heads" + kv_heads,
     ))
     if pp > 1:
@@ -63,15 +67,19 @@ def _length_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
     len_reason = (
         "operator's request"
         if problem.requested_len is not None
-        else "the model's native context"
+        else f"the model's native context ({model.context_why})"
         if length == model.native_max_len
         else f"shortened from native {model.native_max_len:,} so the KV cache holds "
         f"{min(concurrency, problem.profile.target_concurrency)} full-length sequences"
     )
+    window = (
+        f" ({model.sliding_window_layers} of {model.num_layers} layers keep only a {model.sliding_window:,}-token "
+        "window per sequence)" if model.sliding_window_layers else ""
+    )
     draft.flags.append(Flag(
         "--max-model-len",
         str(length),
-        f"{len_reason}; KV cache holds {tokens:,} tokens = {concurrency} sequences at this length",
+        f"{len_reason}; KV cache holds {tokens:,} tokens = {concurrency} sequences at this length{window}",
     ))
 
 
@@ -101,6 +109,16 @@ def _workload_flags(profile: Workload, draft: Draft) -> None:
         draft.flags.append(
             Flag("--max-num-batched-tokens", str(profile.max_num_batched_tokens), f"{profile.name}: {profile.why}")
         )
+
+
+def _long_prefill_flags(knobs: Knobs, draft: Draft) -> None:
+    if not knobs.long_prefill:
+        return
+    why = ("dual chunk attention past 131,072 tokens: the model card serves it with 131,072-token prefill "
+           "chunks and without CUDA graphs; their activations are in the memory budget")
+    draft.flags[:] = [flag for flag in draft.flags if flag.name != "--max-num-batched-tokens"]
+    draft.flags.append(Flag("--max-num-batched-tokens", str(knobs.batched_tokens), why))
+    draft.flags.append(Flag("--enforce-eager", None, why))
 
 
 def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> bool:
@@ -152,10 +170,19 @@ def _warnings(problem: Problem, fit: Fit, draft: Draft) -> None:
         draft.warnings.append(
             "weight size estimated from config.json (no safetensors index or files): plan is approximate"
         )
+    draft.warnings.extend(problem.model.notes)
     if fit.max_concurrency < problem.profile.target_concurrency:
         draft.warnings.append(
             f"the KV cache holds only {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens; "
             "more GPUs or a shorter --max-model-len allow more concurrent requests"
+        )
+    assert fit.budget is not None
+    if fit.budget.kv_cache_bytes < FRAGILE_KV_BYTES or fit.max_concurrency < 2:
+        draft.warnings.append(
+            f"fragile: {gib(fit.budget.kv_cache_bytes)} of KV cache ({fit.max_concurrency} sequence(s) of "
+            f"{fit.max_model_len:,} tokens); the memory reserve is an estimate good to about a GiB, so vLLM may "
+            "not start or may preempt requests: leave room (more GPUs, --kv-cache-dtype fp8 where the GPU has "
+            "FP8, a shorter --max-model-len)"
         )
 
 

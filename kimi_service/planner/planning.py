@@ -42,8 +42,9 @@ def plan(
     requested = operator.integer("--max-model-len") or max_model_len
     if requested is not None and requested > model.native_max_len:
         draft.warnings.append(
-            f"max_model_len {requested:,} is above the model's native context {model.native_max_len:,}: "
-            f"planned with {model.native_max_len:,}; longer needs RoPE scaling in the model config"
+            f"max_model_len {requested:,} is above the model's native context {model.native_max_len:,} "
+            f"({model.context_why}): planned with {model.native_max_len:,}; longer needs RoPE scaling "
+            "(rope_scaling in config.json, or vLLM's --hf-overrides)"
         )
         requested = model.native_max_len
     problem = Problem(

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.support.engine import REPO_ROOT
 from tests.support.ports import free_port
 from tests.support.tiny_model import SERVED_NAME
 
@@ -79,12 +80,15 @@ class Served:
     state_dir: Path
     first_health_200: list[float] = field(default_factory=list)
     engine_group: int | None = None
+    systemd: bool = True  # started as the systemd unit runs it (notify socket, watchdog), else as supervisord does
 
     def engine_pid(self) -> int:
-        """The vLLM API server: serve's only child."""
+        """The vLLM API server: serve's child that runs vLLM (the other is the guard that kills the engine's
+        group when serve dies)."""
         children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
-        assert len(children) == 1, children
-        return int(children[0])
+        engines = [int(pid) for pid in children if b"\0-m\0vllm." in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, children
+        return engines[0]
 
     @property
     def ready_url(self) -> str:
@@ -97,7 +101,8 @@ class Served:
     def kimi(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
         """Run this checkout's kimi-service from the engine venv, the way the units do."""
         return subprocess.run([str(self.engine_venv / "bin" / "kimi-service"), *args], capture_output=True,
-                              text=True, timeout=timeout, env={**os.environ, **env}, check=False)
+                              text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
+                              check=False)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -135,23 +140,40 @@ def write_config(directory: Path, model: Path, port: int, state_dir: Path, **ove
     return path
 
 
-def start_serve(directory: Path, engine_venv: Path, model: Path) -> Served:
+def start_serve(directory: Path, engine_venv: Path, model: Path, *, command: list[str] | None = None,
+                systemd: bool = True, state_dir: Path | None = None, user: str | None = None,
+                **overrides: dict) -> Served:
+    """serve as the unit runs it (systemd's notify socket and watchdog, the key in the environment), or,
+    with `systemd=False`, as supervisord does: neither, and `command` (the argv before `serve`'s options,
+    default this venv's kimi-service) carries --env-file/--user."""
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
     # vLLM's IPC sockets live in TMPDIR, whose path must stay short (pytest's tmp paths are too long).
-    state_dir = Path(tempfile.mkdtemp(prefix="kimi-engine-", dir="/tmp"))
-    config_path = write_config(directory, model, port, state_dir)
+    state_dir = state_dir or Path(tempfile.mkdtemp(prefix="kimi-engine-", dir="/tmp"))
+    config_path = write_config(directory, model, port, state_dir, **overrides)
+    plan_file = Path(yaml.safe_load(config_path.read_text())["paths"]["plan_file"])
     notify = NotifyRecorder(directory / "notify.sock")
     api_key = "sk-test-" + secrets.token_hex(16)
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC),
-           "VLLM_API_KEY": api_key}
+    # This checkout's package, whichever checkout the shared engine venv was last installed from.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    if systemd:
+        env.update({"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC), "VLLM_API_KEY": api_key})
+    else:
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "VLLM_API_KEY"):
+            env.pop(name, None)
     log_path = directory / "serve.log"
+    argv = [*(command or [str(engine_venv / "bin" / "kimi-service")]), "serve", "--config", str(config_path)]
+    if not systemd:
+        secrets_file = directory / "secrets.env"
+        secrets_file.write_text(f'# managed\nVLLM_API_KEY="{api_key}"\n')
+        secrets_file.chmod(0o600)
+        argv += ["--env-file", str(secrets_file)]
+    if user:
+        argv += ["--user", user]
     with log_path.open("wb") as log:
-        process = subprocess.Popen([str(engine_venv / "bin" / "kimi-service"), "serve", "--config",
-                                    str(config_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     served = Served(process, notify, config_path, f"http://127.0.0.1:{port}", api_key, log_path,
-                    directory / "run" / "plan.json", engine_venv, state_dir)
+                    plan_file, engine_venv, state_dir, systemd=systemd)
     _watch_first_health(served)
     return served
 
@@ -180,10 +202,20 @@ def wait_ready(served: Served) -> None:
         with contextlib.suppress(OSError, AssertionError):
             served.engine_group = served.engine_pid()
         time.sleep(0.1)
-    while not served.notify.times("READY", "1"):
+    while not served.notify.times("READY", "1") and not _ready_page_says_ready(served):
         if served.process.poll() is not None:
             pytest.fail(f"serve exited {served.process.returncode} before READY:\n{served.log()[-6000:]}")
         if time.monotonic() > deadline:
             served.stop()
             pytest.fail(f"no READY=1 within {READY_TIMEOUT} s:\n{served.log()[-6000:]}")
         time.sleep(0.2)
+
+
+def _ready_page_says_ready(served: Served) -> bool:
+    """Without systemd (no notify socket), READY is what serve's /ready says."""
+    if served.systemd:
+        return False
+    try:
+        return httpx.get(served.ready_url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

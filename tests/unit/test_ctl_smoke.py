@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 
 from kimi_service import cli, ctl
 from kimi_service.health import DEGRADED, OK, Check, HealthReport
+from kimi_service.launcher import status_server
 
 SUPERVISOR_STATUS = """\
 kimi-exporter                    RUNNING   pid 311, uptime 1 day, 2:03:04
@@ -89,24 +91,15 @@ def test_unknown_programs_are_refused(stub: Stub, capsys) -> None:
 
 
 class _Ready:
-    """serve's /ready on a free port: 503 until `ready` is set."""
+    """serve's /ready on a free port (served by serve's own status page): 503 until `ready` is set."""
 
     def __init__(self) -> None:
-        outer = self
         self.ready = threading.Event()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200 if outer.ready.is_set() else 503)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = status_server("127.0.0.1", self.port, "/ready",
+                                    lambda: (200 if self.ready.is_set() else 503, {}), "only /ready")
 
 
 @pytest.fixture

@@ -301,17 +301,24 @@ def test_the_stop_waits_for_requests_in_flight_within_its_bound(metrics: str, at
     if metrics == "held-by-the-api-server":
         server.load = 1
         threading.Timer(1.0, lambda: setattr(server, "load", 0)).start()
+    try:
+        elapsed = _timed_drain(supervisor)
+    finally:
+        server.close()
+    assert at_least <= elapsed <= at_most, elapsed
+
+
+def _timed_drain(supervisor: launcher.Supervisor) -> float:
+    """Seconds the stop's withdraw and drain took; the stand-in engine is gone afterwards."""
     started = time.monotonic()
     try:
         with httpx.Client() as client:
             supervisor._withdraw_and_drain(client)
-        elapsed = time.monotonic() - started
+        return time.monotonic() - started
     finally:
         assert supervisor.engine.child is not None
         supervisor.engine.child.kill()
         supervisor.engine.child.wait()
-        server.close()
-    assert at_least <= elapsed <= at_most, elapsed
 
 
 def test_the_stop_stops_waiting_once_vllm_is_gone() -> None:
@@ -348,15 +355,9 @@ def test_the_stop_waits_for_a_request_vllm_has_not_accepted_yet() -> None:
             accepted.close()
 
         threading.Timer(1.5, serve_it).start()
-        started = time.monotonic()
         try:
-            with httpx.Client() as http:
-                supervisor._withdraw_and_drain(http)
-            elapsed = time.monotonic() - started
+            elapsed = _timed_drain(supervisor)
         finally:
-            assert supervisor.engine.child is not None
-            supervisor.engine.child.kill()
-            supervisor.engine.child.wait()
             client.close()
             server.close()
     assert 1.5 + 0.5 <= elapsed <= 4, elapsed

@@ -146,7 +146,8 @@ def test_an_engine_that_dies_after_ready_is_reported_as_before() -> None:
 
 
 def test_the_engine_dies_when_serve_is_killed(tmp_path: Path) -> None:
-    """A stand-in serve spawns its engine (a sleep) the way serve does, then gets SIGKILL."""
+    """A stand-in serve spawns its engine the way serve does, then gets SIGKILL. The engine has a child of its
+    own, as vLLM's engine core is: the death signal does not reach it, the guard kills it."""
     script = textwrap.dedent(f"""
         import os, sys, threading, time
         from pathlib import Path
@@ -154,7 +155,8 @@ def test_the_engine_dies_when_serve_is_killed(tmp_path: Path) -> None:
         from kimi_service.launcher.process import EngineGroupRecord
         from kimi_service.sdnotify import Notifier
         record = EngineGroupRecord(Path({str(tmp_path / "engine.pgid")!r}))
-        engine = launcher.EngineProcess(launcher.Launch(["sleep", "600"], dict(os.environ), {{}}), Notifier(None),
+        argv = ["sh", "-c", "sleep 600 & wait"]
+        engine = launcher.EngineProcess(launcher.Launch(argv, dict(os.environ), {{}}), Notifier(None),
                                         threading.Event(), 5, record)
         engine.spawn()
         print(engine.child.pid, flush=True)
@@ -163,10 +165,12 @@ def test_the_engine_dies_when_serve_is_killed(tmp_path: Path) -> None:
     serve = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert serve.stdout is not None
     engine = int(serve.stdout.readline())
-    assert _alive(engine)
+    assert _wait(lambda: len(group_members(engine)) == 2)
+    worker = next(m.pid for m in group_members(engine) if m.pid != engine)
     serve.kill()
     serve.wait()
     assert _wait(lambda: not _alive(engine)), "the engine outlived a serve killed with SIGKILL"
+    assert _wait(lambda: not _alive(worker)), "the engine's child outlived a serve killed with SIGKILL"
     assert f'"pgid": {engine}' in (tmp_path / "engine.pgid").read_text()
 
 

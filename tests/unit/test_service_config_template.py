@@ -80,8 +80,8 @@ def test_secrets_file_reads_back_the_key_the_role_wrote(tmp_path, key):
 def test_secrets_file_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="written by the vllm_service role"):
         read_env_file(tmp_path / "absent.env")
-    (bad := tmp_path / "bad.env").write_text("just words\n")
-    with pytest.raises(ConfigError, match=r"bad\.env:1: expected KEY=value"):
+    (bad := tmp_path / "bad.env").write_bytes(b"# key\nVLLM_API_KEY=sk-\xff\n")
+    with pytest.raises(ConfigError, match=r"bad\.env, line 2: not UTF-8 text; systemd refuses"):
         read_env_file(bad)
 
 

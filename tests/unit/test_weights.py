@@ -4,46 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from kimi_service import weights
 from kimi_service.cli import main
+from tests.support import weights_fixtures
 from tests.support.hub_server import Fault, HubServer
+from tests.support.weights_fixtures import BIG, REPO
 
-REPO = "kimi-test/tiny"
-BIG = "model.safetensors"
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    root = tmp_path / "repo"
-    (root / "sub").mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
-    (root / BIG).write_bytes(os.urandom(3 * 1024 * 1024 + 17))  # above the hub's LFS threshold
-    (root / "tokenizer.json").write_text("{}" * 1000)
-    (root / "sub" / "extra.bin").write_bytes(os.urandom(1500))
-    return root
-
-
-@pytest.fixture
-def hub(model_dir):
-    with HubServer(root=model_dir, repo=REPO) as server:
-        yield server
-
-
-def _request(hub: HubServer, dest: Path, **kw) -> weights.FetchRequest:
-    kw.setdefault("verify", "full")
-    return weights.FetchRequest(source="hf", repo=REPO, revision="main", dest=dest, endpoint=hub.url, **kw)
-
-
-def _same_tree(a: Path, b: Path) -> None:
-    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert files, "empty source tree"
-    for rel in files:
-        assert (b / rel).read_bytes() == (a / rel).read_bytes(), rel
+model_dir, hub = weights_fixtures.model_dir, weights_fixtures.hub
+_request, _same_tree = weights_fixtures.hf_request, weights_fixtures.same_tree
 
 
 def test_fetch_downloads_every_file_and_writes_a_marker(hub, model_dir, tmp_path):
@@ -115,12 +87,23 @@ def test_corruption_in_a_small_git_file_is_caught_by_its_blob_id(hub, model_dir,
     _same_tree(model_dir, dest)
 
 
-def test_size_only_verification_does_not_hash(hub, tmp_path):
-    """Documents the trade-off of verify=size: same-size corruption is not detected."""
+def test_a_published_hash_is_checked_for_downloads_even_when_verifying_sizes_only(hub, model_dir, tmp_path):
+    """verify=size spares hashing files a marker recorded; what a run downloads is checked against the
+    hash the listing publishes (LFS sha256, git blob id) whatever the mode."""
     hub.faults[BIG] = Fault(corrupt=True)
-    weights.fetch(_request(hub, dest := tmp_path / "m", verify="size"))
-    assert len(hub.gets(BIG)) == 1
+    weights.fetch(_request(hub, dest := tmp_path / "m", verify="size"), sleep=lambda _: None)
+    assert len(hub.gets(BIG)) == 2
+    _same_tree(model_dir, dest)
     marker = json.loads((dest / weights.MARKER_NAME).read_text())
+    assert {e["verified"] for e in marker["files"]} == {"full"}
+
+
+def test_size_only_verification_trusts_a_source_without_hashes(model_dir, tmp_path):
+    """Documents the trade-off of verify=size where nothing is published: sizes only, no hashing."""
+    request = weights.FetchRequest(source="local", repo=REPO, revision="main", dest=tmp_path / "m",
+                                   local_path=model_dir, verify="size")
+    weights.fetch(request)
+    marker = json.loads((tmp_path / "m" / weights.MARKER_NAME).read_text())
     assert {e["verified"] for e in marker["files"]} == {"size"}
 
 

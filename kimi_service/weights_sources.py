@@ -1,0 +1,231 @@
+"""Sources of model weights, each reduced to a `Listing`: paths, sizes and the hashes it publishes.
+
+The hub, ModelScope, a plain mirror's manifest and a local directory all end here, so the rest of
+`kimi-service fetch` has one code path. What a source answers is not trusted: a listing that is not
+JSON, has the wrong types, misses fields or lists negative sizes is refused with one line naming the
+problem (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from urllib.parse import quote
+
+import httpx
+
+from kimi_service.errors import KimiError, UsageError
+
+MARKER_NAME = ".kimi-weights.json"
+MANIFEST_NAME = "kimi-manifest.json"
+INCOMPLETE_SUFFIX = ".incomplete"
+# The resume state of `<file>.incomplete`: which byte ranges are done, against which commit and ETag.
+STATE_SUFFIX = INCOMPLETE_SUFFIX + ".json"
+_RESERVED_SUFFIXES = (INCOMPLETE_SUFFIX, STATE_SUFFIX, STATE_SUFFIX + ".tmp")
+_HEX = re.compile(r"[0-9a-f]+")
+_REVISION = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+class FetchError(KimiError):
+    """The source could not be listed or a file could not be downloaded or verified."""
+
+
+class BadListing(FetchError):
+    """The source's listing is malformed: bad input, not a transient failure."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a model repository as its source describes it."""
+
+    path: str
+    size: int
+    url: str
+    sha256: str | None = None
+    # Small files on the hub are plain git blobs: their only published hash is the git blob id.
+    git_sha1: str | None = None
+
+    @property
+    def published_hash(self) -> bool:
+        return bool(self.sha256 or self.git_sha1)
+
+
+@dataclass(frozen=True)
+class Listing:
+    repo: str
+    revision: str
+    commit: str
+    files: tuple[RemoteFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def safe_relpath(path: str) -> str:
+    """A repository path that stays inside the destination, or a FetchError (sources are not trusted)."""
+    pure = PurePosixPath(path)
+    if not path or pure.is_absolute() or any(part in ("..", "") for part in pure.parts) or "\\" in path \
+            or any(ord(c) < 0x20 or c == "\x7f" for c in path):
+        raise BadListing(f"the source listed an unsafe file path {path!r}; refusing to write outside the "
+                         "model directory")
+    if pure.name in (MARKER_NAME, MARKER_NAME + ".tmp") or pure.name.endswith(_RESERVED_SUFFIXES):
+        raise BadListing(f"the source listed {path!r}, a name kimi-service reserves; refusing it")
+    return str(pure)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked fields of a listing
+
+
+def _field(entry: object, key: str, kind: type, where: str, *, required: bool = True):
+    if not isinstance(entry, dict):
+        raise BadListing(f"{where}: expected a JSON object, got {type(entry).__name__}")
+    value = entry.get(key)
+    if value is None and not required:
+        return None
+    # bool is an int in Python; a size of `true` is still malformed.
+    if not isinstance(value, kind) or isinstance(value, bool):
+        got = "nothing" if value is None else type(value).__name__
+        raise BadListing(f"{where}: field {key!r} should be {kind.__name__}, got {got}")
+    return value
+
+
+def _size(entry: object, key: str, where: str, *, required: bool = True) -> int | None:
+    size = _field(entry, key, int, where, required=required)
+    if size is not None and size < 0:
+        raise BadListing(f"{where}: field {key!r} is negative ({size})")
+    return size
+
+
+def _digest(entry: object, key: str, length: int, where: str) -> str | None:
+    value = _field(entry, key, str, where, required=False)
+    if not value:
+        return None
+    value = value.lower()
+    if len(value) != length or not _HEX.fullmatch(value):
+        raise BadListing(f"{where}: field {key!r} is not a {length}-digit hex digest")
+    return value
+
+
+def _path(entry: object, key: str, where: str) -> str:
+    return safe_relpath(_field(entry, key, str, where))
+
+
+def _commit(value: object, fallback: str, where: str) -> str:
+    if value in (None, ""):
+        return fallback
+    if not isinstance(value, str) or not _REVISION.fullmatch(value):
+        raise BadListing(f"{where}: the commit is not one word of printable characters")
+    return value
+
+
+def _list(value: object, where: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadListing(f"{where}: expected a JSON list, got {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources → Listing
+
+
+def _get_json(client: httpx.Client, url: str, what: str) -> object:
+    try:
+        response = client.get(url)
+    except httpx.HTTPError as exc:
+        raise FetchError(f"cannot reach {url} to list {what}: {exc}; check the endpoint and the "
+                         "network") from exc
+    if response.status_code in (401, 403):
+        raise FetchError(f"{url} answered {response.status_code}: {what} needs a token with access "
+                         "(HF_TOKEN in the environment, kimi_hf_token in the inventory)")
+    if response.status_code == 404:
+        raise FetchError(f"{url} answered 404: {what} does not exist; check the repo id and the revision")
+    if response.status_code != 200:
+        raise FetchError(f"{url} answered {response.status_code} while listing {what}")
+    try:
+        return json.loads(response.content.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadListing(f"{url} answered bytes that are not UTF-8 while listing {what}") from None
+    except (ValueError, RecursionError):
+        raise BadListing(f"{url} did not answer JSON while listing {what}") from None
+
+
+def list_hf(client: httpx.Client, endpoint: str, repo: str, revision: str) -> Listing:
+    base = endpoint.rstrip("/")
+    url = f"{base}/api/models/{repo}/revision/{quote(revision, safe='')}?blobs=true"
+    info = _get_json(client, url, f"{repo}@{revision}")
+    if not isinstance(info, dict):
+        raise BadListing(f"{url}: expected a JSON object, got {type(info).__name__}")
+    commit = _commit(info.get("sha"), revision, url)
+    files = []
+    for index, sibling in enumerate(_list(info.get("siblings"), f"{url} siblings")):
+        where = f"{url} siblings[{index}]"
+        path = _path(sibling, "rfilename", where)
+        lfs = _field(sibling, "lfs", dict, where, required=False) or {}
+        size = _size(lfs, "size", f"{where} lfs", required=False) if lfs else None
+        if size is None:
+            size = _size(sibling, "size", where, required=False)
+        if size is None:
+            raise BadListing(f"the hub listed {path} without a size; does the endpoint support ?blobs=true?")
+        files.append(RemoteFile(
+            path=path, size=size, url=f"{base}/{repo}/resolve/{quote(commit, safe='')}/{quote(path)}",
+            sha256=_digest(lfs, "sha256", 64, f"{where} lfs") if lfs else None,
+            git_sha1=None if lfs else _digest(sibling, "blobId", 40, where),
+        ))
+    return Listing(repo=repo, revision=revision, commit=commit, files=tuple(files))
+
+
+def list_modelscope(client: httpx.Client, endpoint: str, repo: str, revision: str) -> Listing:
+    base = endpoint.rstrip("/")
+    rev = quote(revision, safe="")
+    url = f"{base}/api/v1/models/{repo}/repo/files?Revision={rev}&Recursive=true"
+    data = _get_json(client, url, f"{repo}@{revision}")
+    payload = _field(data, "Data", dict, url, required=False) or {}
+    files = []
+    for index, entry in enumerate(_list(payload.get("Files"), f"{url} Files")):
+        where = f"{url} Files[{index}]"
+        if _field(entry, "Type", str, where, required=False) == "tree":
+            continue
+        path = _path(entry, "Path", where)
+        files.append(RemoteFile(
+            path=path, size=_size(entry, "Size", where), sha256=_digest(entry, "Sha256", 64, where),
+            url=f"{base}/api/v1/models/{repo}/repo?Revision={rev}&FilePath={quote(path, safe='')}",
+        ))
+    return Listing(repo=repo, revision=revision, commit=revision, files=tuple(files))
+
+
+def list_http(client: httpx.Client, base_url: str, manifest_url: str, repo: str, revision: str) -> Listing:
+    """A plain mirror: the model's file tree under `base_url` plus a manifest of paths, sizes, sha256."""
+    base = base_url.rstrip("/")
+    url = manifest_url or f"{base}/{MANIFEST_NAME}"
+    manifest = _get_json(client, url, "the mirror's manifest")
+    entries = _list(_field(manifest, "files", list, url), f"{url} files")
+    files = []
+    for index, entry in enumerate(entries):
+        where = f"{url} files[{index}]"
+        path = _path(entry, "path", where)
+        files.append(RemoteFile(path=path, size=_size(entry, "size", where), url=f"{base}/{quote(path)}",
+                                sha256=_digest(entry, "sha256", 64, where)))
+    commit = _commit(manifest.get("commit"), revision, url)  # type: ignore[union-attr]
+    return Listing(repo=repo, revision=revision, commit=commit, files=tuple(files))
+
+
+def list_local(root: Path, repo: str, revision: str) -> Listing:
+    if not root.is_dir():
+        raise UsageError(f"local model directory {root} does not exist or is not a directory")
+    files = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MARKER_NAME or rel.endswith(_RESERVED_SUFFIXES):
+            continue
+        files.append(RemoteFile(path=rel, size=path.stat().st_size, url=path.resolve().as_uri()))
+    if not files:
+        raise UsageError(f"local model directory {root} holds no files")
+    return Listing(repo=repo, revision=revision, commit=revision, files=tuple(files))

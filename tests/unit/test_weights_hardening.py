@@ -1,0 +1,285 @@
+"""`kimi-service fetch` against hostile destinations and sources (issue 25, items 4, 5, 6, 9 and 10).
+
+Real files, real links, the real local hub server over loopback: what root would write through a
+planted link, what a resume splices, what a source that sends more than it lists gets written.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kimi_service import weights
+from kimi_service.cli import main
+from tests.support import weights_fixtures
+from tests.support.hub_server import Fault, HubServer
+from tests.support.weights_fixtures import BIG, REPO
+
+model_dir, hub = weights_fixtures.model_dir, weights_fixtures.hub
+_request, _same_tree = weights_fixtures.hf_request, weights_fixtures.same_tree
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files as another user")
+
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    """A file outside the model directory that root must never write (think /etc/cron.d/...)."""
+    path = tmp_path / "outside" / "victim"
+    path.parent.mkdir()
+    path.write_text("do not touch\n")
+    return path
+
+
+# --- item 4: never follow links in the destination -------------------------------------------
+
+@pytest.mark.parametrize("planted", [BIG + weights.INCOMPLETE_SUFFIX, weights.MARKER_NAME + ".tmp",
+                                     "config.json" + weights.STATE_SUFFIX])
+def test_a_link_planted_at_a_partial_or_temporary_path_is_replaced_not_followed(hub, model_dir, tmp_path,
+                                                                                 victim, planted):
+    dest = tmp_path / "m"
+    dest.mkdir()
+    (dest / planted).symlink_to(victim)
+    weights.fetch(_request(hub, dest))
+    assert victim.read_text() == "do not touch\n"
+    _same_tree(model_dir, dest)
+    assert not [p for p in dest.rglob("*") if p.is_symlink()]
+
+
+def test_a_link_at_a_target_is_replaced_even_when_it_points_at_the_right_bytes(hub, model_dir, tmp_path):
+    """A link to a file the engine's user controls would let it change the weights later."""
+    dest, elsewhere = tmp_path / "m", tmp_path / "engine-owned-config.json"
+    dest.mkdir()
+    elsewhere.write_bytes((model_dir / "config.json").read_bytes())
+    (dest / "config.json").symlink_to(elsewhere)
+    weights.fetch(_request(hub, dest))
+    assert not (dest / "config.json").is_symlink()
+    _same_tree(model_dir, dest)
+
+
+def test_a_linked_subdirectory_is_replaced_and_nothing_lands_outside(hub, model_dir, tmp_path):
+    dest, outside = tmp_path / "m", tmp_path / "outside-dir"
+    dest.mkdir()
+    outside.mkdir()
+    (dest / "sub").symlink_to(outside)
+    weights.fetch(_request(hub, dest))
+    assert list(outside.iterdir()) == []
+    assert (dest / "sub").is_dir() and not (dest / "sub").is_symlink()
+    _same_tree(model_dir, dest)
+
+
+@as_root
+@pytest.mark.parametrize("where", ["dest", "ancestor"])
+def test_a_link_owned_by_another_user_on_the_way_to_dest_is_refused(hub, tmp_path, where, capsys):
+    real = tmp_path / "real"
+    (real / "m").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(real / "m" if where == "dest" else real)
+    os.lchown(link, 4242, 4242)
+    dest = link if where == "dest" else link / "m"
+    rc = main(["fetch", "--repo", REPO, "--dest", str(dest), "--endpoint", hub.url])
+    err = capsys.readouterr().err
+    assert rc == 1 and "symbolic link owned by uid 4242" in err and "Traceback" not in err
+    assert list((real / "m").iterdir()) == []
+
+
+@as_root
+def test_a_link_owned_by_root_on_the_way_to_dest_is_followed(hub, model_dir, tmp_path):
+    """The operator may point the model directory at another disk with a link of their own."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "models").symlink_to(tmp_path / "disk")
+    weights.fetch(_request(hub, tmp_path / "models" / "m"))
+    _same_tree(model_dir, tmp_path / "disk" / "m")
+
+
+@as_root
+def test_the_weights_end_up_root_owned_and_read_only_to_the_engine(hub, tmp_path):
+    """Whatever the umask, and even when the engine's user made the directory beforehand."""
+    dest = tmp_path / "m"
+    (dest / "sub").mkdir(parents=True)
+    for path in (dest, dest / "sub"):
+        os.chown(path, 4242, 4242)
+        path.chmod(0o777)
+    old = os.umask(0o077)
+    try:
+        weights.fetch(_request(hub, dest))
+    finally:
+        os.umask(old)
+    for path in [dest, dest / "sub"]:
+        st = path.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode) & 0o022) == (0, 0), path
+    for path in (dest / BIG, dest / "config.json", dest / "sub" / "extra.bin"):
+        st = path.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o644), path
+
+
+@as_root
+def test_a_partial_file_owned_by_another_user_is_not_resumed(hub, model_dir, tmp_path):
+    """The engine's user could keep it open and write into it after root checked it."""
+    dest = tmp_path / "m"
+    hub.faults[BIG] = Fault(drop_after=1_000_000)
+    with pytest.raises(weights.FetchError):
+        weights.fetch(_request(hub, dest, retries=0))
+    os.chown(dest / (BIG + weights.INCOMPLETE_SUFFIX), 4242, 4242)
+    weights.fetch(_request(hub, dest))
+    assert hub.gets(BIG)[-1].range is None
+    assert (dest / BIG).stat().st_uid == 0
+    _same_tree(model_dir, dest)
+
+
+# --- item 5: a resume is valid only against the same commit and ETag --------------------------
+
+def _interrupt(server: HubServer, dest: Path, **kw) -> None:
+    server.faults[BIG] = Fault(drop_after=1_000_000)
+    with pytest.raises(weights.FetchError, match="giving up"):
+        weights.fetch(_request(server, dest, retries=0, **kw))
+    assert (dest / (BIG + weights.INCOMPLETE_SUFFIX)).stat().st_size == 1_000_000
+
+
+def _new_revision(root: Path) -> bytes:
+    """The same file at a new commit: same size, other bytes."""
+    data = os.urandom((root / BIG).stat().st_size)
+    (root / BIG).write_bytes(data)
+    return data
+
+
+def test_a_resume_after_the_revision_moved_starts_the_file_over(hub, model_dir, tmp_path):
+    dest = tmp_path / "m"
+    _interrupt(hub, dest, verify="size")
+    new = _new_revision(model_dir)
+    hub.commit = "fedcba9876543210fedcba9876543210fedcba98"
+    weights.fetch(_request(hub, dest, verify="size"))
+    assert hub.gets(BIG)[-1].range is None  # no Range: the old bytes were discarded
+    assert (dest / BIG).read_bytes() == new
+    assert not (dest / (BIG + weights.STATE_SUFFIX)).exists()
+
+
+def test_a_resume_against_another_etag_starts_the_file_over(hub, model_dir, tmp_path):
+    """A plain mirror publishing no hashes, same "revision": only the ETag tells the bytes changed."""
+    hub.manifest_hashes = False
+    request = weights.FetchRequest(source="http", repo=REPO, revision="main", dest=tmp_path / "m",
+                                   endpoint=f"{hub.url}/mirror", retries=0)
+    hub.faults[BIG] = Fault(drop_after=1_000_000)
+    with pytest.raises(weights.FetchError, match="giving up"):
+        weights.fetch(request)
+    new = _new_revision(model_dir)
+    weights.fetch(request)
+    ranges = [r.range for r in hub.gets(BIG)]
+    assert ranges == [None, "bytes=1000000-", None]  # resumed, saw another ETag, started over
+    assert (tmp_path / "m" / BIG).read_bytes() == new
+
+
+def test_a_partial_file_without_its_state_is_not_resumed(hub, model_dir, tmp_path):
+    dest = tmp_path / "m"
+    _interrupt(hub, dest)
+    (dest / (BIG + weights.STATE_SUFFIX)).unlink()
+    weights.fetch(_request(hub, dest))
+    assert hub.gets(BIG)[-1].range is None
+    _same_tree(model_dir, dest)
+
+
+def test_a_published_hash_catches_a_bad_resume_under_verify_size(hub, model_dir, tmp_path):
+    """Even a resume whose state matches is hashed when the source publishes a hash."""
+    dest = tmp_path / "m"
+    _interrupt(hub, dest, verify="size")
+    partial = dest / (BIG + weights.INCOMPLETE_SUFFIX)
+    with partial.open("r+b") as handle:  # what a disk error or a stray writer leaves behind
+        handle.write(b"\0" * 4096)
+    weights.fetch(_request(hub, dest, verify="size"), sleep=lambda _: None)
+    assert [r.range for r in hub.gets(BIG)][1:] == ["bytes=1000000-", None]
+    _same_tree(model_dir, dest)
+
+
+# --- item 6: never write beyond the listed size --------------------------------------------
+
+@pytest.mark.parametrize("no_length", [False, True], ids=["content-length", "until-close"])
+def test_a_source_sending_more_than_it_listed_is_stopped_at_the_listed_size(hub, model_dir, tmp_path,
+                                                                            no_length):
+    listed = (model_dir / "config.json").stat().st_size
+    hub.faults["config.json"] = Fault(extra=8 << 20, no_length=no_length)
+    dest = tmp_path / "m"
+    with pytest.raises(weights.FetchError) as err:
+        weights.fetch(_request(hub, dest))
+    message = str(err.value)
+    assert f"config.json: the source listed {listed} bytes but sen" in message
+    assert "stopped at the listed size" in message
+    partial = dest / ("config.json" + weights.INCOMPLETE_SUFFIX)
+    assert not partial.exists() or partial.stat().st_size <= listed
+    assert len(hub.gets("config.json")) == 1  # not retried: the source would only do it again
+
+
+# --- item 9: malformed listings end with exit 2 and one line -----------------------------
+
+MALFORMED = {
+    "not-json": b"<html>busy</html>",
+    "invalid-utf8": b'{"siblings": [{"rfilename": "\xff\xfe", "size": 1}]}',
+    "a-list": b"[]",
+    "siblings-not-a-list": b'{"siblings": {"a": 1}}',
+    "entry-not-an-object": b'{"siblings": ["config.json"]}',
+    "missing-name": b'{"siblings": [{"size": 3}]}',
+    "name-not-a-string": b'{"siblings": [{"rfilename": 5, "size": 3}]}',
+    "negative-size": b'{"siblings": [{"rfilename": "a.bin", "size": -1}]}',
+    "size-a-string": b'{"siblings": [{"rfilename": "a.bin", "size": "12"}]}',
+    "size-a-bool": b'{"siblings": [{"rfilename": "a.bin", "size": true}]}',
+    "size-a-float": b'{"siblings": [{"rfilename": "a.bin", "size": 1e400}]}',
+    "lfs-not-an-object": b'{"siblings": [{"rfilename": "a.bin", "size": 3, "lfs": 7}]}',
+    "bad-sha256": b'{"siblings": [{"rfilename": "a.bin", "lfs": {"size": 3, "sha256": "xyz"}}]}',
+    "commit-not-a-string": b'{"sha": ["x"], "siblings": []}',
+    "commit-with-a-slash-space": b'{"sha": "a b", "siblings": []}',
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "unsafe-path": b'{"siblings": [{"rfilename": "../../etc/cron.d/x", "size": 3}]}',
+}
+
+
+@pytest.mark.parametrize("body", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_hub_listing_exits_2_with_one_line(hub, tmp_path, capsys, body):
+    hub.listings["hf"] = body
+    rc = main(["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", hub.url])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("kimi-service: error: ") and "Traceback" not in err
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize(("kind", "body"), [
+    ("modelscope", b'{"Data": {"Files": [{"Path": "a.bin", "Type": "blob", "Size": -5}]}}'),
+    ("modelscope", b'{"Data": []}'),
+    ("modelscope", b'{"Data": {"Files": [{"Path": "a.bin", "Type": "blob"}]}}'),
+    ("mirror", b'{"files": "a.bin"}'),
+    ("mirror", b'{"files": [{"path": "a.bin", "size": 3, "sha256": 12}]}'),
+    ("mirror", b'{"commit": 3, "files": []}'),
+])
+def test_malformed_modelscope_and_mirror_listings_exit_2(hub, tmp_path, capsys, kind, body):
+    hub.listings[kind] = body
+    source = ["--source", "modelscope", "--endpoint", hub.url] if kind == "modelscope" else [
+        "--source", "http", "--endpoint", f"{hub.url}/mirror"]
+    rc = main(["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), *source])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+# --- item 10: a token never reaches an error message -----------------------------------
+
+@pytest.mark.parametrize("content", [b"hf_first_secret\nhf_second_secret\n", b"hf_with space_secret",
+                                     b"hf_tab\tsecret", b"hf_\xff\xfe_secret", b"hf_bell\x07secret"])
+def test_a_bad_token_file_is_named_and_never_echoed(hub, tmp_path, capsys, monkeypatch, content):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content)
+    rc = main(["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", hub.url,
+               "--token-file", str(token_file)])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert f"--token-file {token_file}" in captured.err
+    assert "secret" not in captured.err + captured.out and "Bearer" not in captured.err
+    assert hub.log == []  # refused before any request
+
+
+def test_a_bad_token_in_the_environment_is_refused_without_echo(hub, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_one_secret\nhf_two_secret")
+    rc = main(["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", hub.url])
+    err = capsys.readouterr().err
+    assert rc == 2 and "HF_TOKEN" in err and "secret" not in err and "Bearer" not in err
