@@ -8,7 +8,10 @@ listed costs nothing and keeps its place after the listed ones.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from tests.support.cpu_site import engine_core
 
 MODULE_SECONDS = {
     "tests/integration/test_site_e2e.py": 1250,
@@ -28,6 +31,8 @@ MODULE_SECONDS = {
     "tests/integration/test_service_units.py": 25,
 }
 ROOT = Path(__file__).resolve().parent.parent
+# The CPU engines this worker starts on the controller (engine and bench tests) share its core.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", engine_core())
 
 
 def module_cost(path: Path) -> int:
