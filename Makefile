@@ -19,8 +19,9 @@ lint: bootstrap
 unit: bootstrap
 	$(BIN)/python -m pytest -m "not slow"
 
+# Two workers, a module per worker at a time (its hosts and engine are module fixtures), longest first.
 test: lint
-	$(BIN)/python -m pytest --durations=20
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=20
 
 demo: bootstrap
 	$(BIN)/python scripts/demo.py up

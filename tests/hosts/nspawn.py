@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -128,6 +129,14 @@ def ensure_root_image() -> Path:
     lower = images / key
     if (lower / ".complete").exists():
         return lower
+    with cache_lock(images / f"{key}.lock"):
+        if not (lower / ".complete").exists():
+            _unpack_root_image(key, lower)
+    return lower
+
+
+def _unpack_root_image(key: str, lower: Path) -> None:
+    images = lower.parent
     tarball = cache_dir() / f"{key}.tar.zst"
     if not tarball.exists():
         _build_tarball(tarball)
@@ -141,7 +150,6 @@ def ensure_root_image() -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return lower
 
 
 def _build_tarball(tarball: Path) -> None:
@@ -196,9 +204,12 @@ class Network:
     @classmethod
     def create(cls) -> Network:
         name = secrets.token_hex(3)
-        net = cls(name=name, subnet_octet=int(name[:2], 16) % 250 + 2)
-        _run(["ip", "link", "add", net.bridge, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{net.gateway}/24", "dev", net.bridge])
+        # Test sessions run side by side: the subnet is chosen and taken under one lock, among those
+        # no bridge of this controller holds yet.
+        with cache_lock(cache_dir() / "networks.lock"):
+            net = cls(name=name, subnet_octet=_free_subnet_octet())
+            _run(["ip", "link", "add", net.bridge, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{net.gateway}/24", "dev", net.bridge])
         _run(["ip", "link", "set", net.bridge, "up"])
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
         _run(["nft", "-f", "-"], input=(
@@ -233,14 +244,23 @@ class Network:
         _run(["nft", "delete", "table", "ip", f"kimi_testnet_{self.name}"], check=False)
 
 
+def _free_subnet_octet() -> int:
+    taken = set(re.findall(r"inet 10\.213\.(\d+)\.", _run(["ip", "-o", "-4", "addr", "show"]).stdout))
+    free = [octet for octet in range(2, 252) if str(octet) not in taken]
+    if not free:
+        raise HostError("every 10.213.X.0/24 test subnet is taken: leftover bridges? `ip -o -4 addr show`")
+    return secrets.choice(free)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hosts
 
 
 def _ssh_keypair() -> Path:
     key = cache_dir() / "testhost_ed25519"
-    if not key.exists():
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kimi-testhost", "-f", str(key)])
+    with cache_lock(cache_dir() / "testhost_ed25519.lock"):
+        if not key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kimi-testhost", "-f", str(key)])
     return key
 
 

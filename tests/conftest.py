@@ -1,0 +1,43 @@
+"""Runs the longest modules first.
+
+`make test` runs two pytest workers, a module per worker at a time (--dist loadfile) in the order
+collected here: started last, a 20-minute module would leave the other worker idle for most of it.
+The costs are a fresh-clone run's module totals on the 2-core CI machine (README, Tests); a module not
+listed costs nothing and keeps its place after the listed ones.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.support.cpu_site import engine_core
+
+MODULE_SECONDS = {
+    "tests/integration/test_site_e2e.py": 1250,
+    "tests/integration/test_multinode.py": 640,
+    "tests/integration/test_vllm_runtime.py": 610,
+    "tests/integration/test_replicas.py": 540,
+    "tests/integration/test_gpu_roles.py": 500,
+    "tests/integration/test_monitoring.py": 150,
+    "tests/engine/test_serve.py": 150,
+    "tests/engine/test_bench.py": 130,
+    "tests/engine/test_container_serve.py": 120,
+    "tests/integration/test_model_weights.py": 90,
+    "tests/integration/test_testhost_fixture.py": 60,
+    "bench/gpu/tests/test_cpu_end_to_end.py": 45,
+    "tests/integration/test_firewall.py": 35,
+    "tests/unit/test_monitoring.py": 30,
+    "tests/integration/test_service_units.py": 25,
+}
+ROOT = Path(__file__).resolve().parent.parent
+# The CPU engines this worker starts on the controller (engine and bench tests) share its core.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", engine_core())
+
+
+def module_cost(path: Path) -> int:
+    return MODULE_SECONDS.get(path.resolve().relative_to(ROOT).as_posix(), 0)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -module_cost(Path(item.fspath)))  # stable: tests keep their order in a module
