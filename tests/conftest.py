@@ -15,6 +15,7 @@ from tests.support.cpu_site import engine_core
 
 MODULE_SECONDS = {
     "tests/integration/test_site_e2e.py": 1250,
+    "tests/integration/test_container.py": 650,
     "tests/integration/test_multinode.py": 640,
     "tests/integration/test_vllm_runtime.py": 610,
     "tests/integration/test_replicas.py": 540,
