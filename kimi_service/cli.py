@@ -351,6 +351,7 @@ def _add_exporter(commands) -> None:
 
 
 def _run_exporter(args: argparse.Namespace) -> int:
+    import logging
     import signal
     import threading
 
@@ -358,18 +359,27 @@ def _run_exporter(args: argparse.Namespace) -> int:
     from kimi_service.credentials import read_secret
 
     _log_to_journal()
-    cfg = config.load_config(args.config)
-    target = health.Target(url=cfg.api.local_url, served_name=cfg.model.served_name,
-                           api_key=read_secret(), timeout=cfg.health.timeout,
-                           smoke=cfg.health.smoke, smoke_max_tokens=cfg.health.smoke_max_tokens,
-                           follower=bool(cfg.cluster and not cfg.cluster.is_leader))
-    poller = exporter.HealthPoller(target, cfg.exporter.health_interval)
-    collector = exporter.KimiCollector(nvml_module=None, plan_file=cfg.paths.plan_file, poller=poller)
+    if not args.config.exists():
+        # Like dcgm-exporter: GPU metrics need no engine, before the service is set up or without it.
+        logging.getLogger("kimi_service.exporter").warning(
+            "no %s: serving the GPU and NVML series only; the engine's health and plan series appear once the "
+            "vllm_service role has written it", args.config)
+        listen = config.ExporterConfig()
+        collector = exporter.KimiCollector(nvml_module=None, plan_file=None, poller=None)
+        poller = None
+    else:
+        cfg = config.load_config(args.config)
+        target = health.Target(url=cfg.api.local_url, served_name=cfg.model.served_name,
+                               api_key=read_secret(), timeout=cfg.health.timeout,
+                               smoke=cfg.health.smoke, smoke_max_tokens=cfg.health.smoke_max_tokens,
+                               follower=bool(cfg.cluster and not cfg.cluster.is_leader))
+        listen = cfg.exporter
+        poller = exporter.HealthPoller(target, cfg.exporter.health_interval)
+        collector = exporter.KimiCollector(nvml_module=None, plan_file=cfg.paths.plan_file, poller=poller)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    exporter.serve_exporter(collector, poller, args.host or cfg.exporter.host, args.port or cfg.exporter.port,
-                            stop)
+    exporter.serve_exporter(collector, poller, args.host or listen.host, args.port or listen.port, stop)
     return 0
 
 

@@ -170,8 +170,9 @@ def read_plan(path: Path) -> dict[str, Any] | None:
 
 
 class KimiCollector(Collector):
-    def __init__(self, *, nvml_module: ModuleType | None, plan_file: Path, poller: HealthPoller | None,
+    def __init__(self, *, nvml_module: ModuleType | None, plan_file: Path | None, poller: HealthPoller | None,
                  hostname: str | None = None, xids: bool = True):
+        """`plan_file` and `poller` None: no engine configured here, GPU series only."""
         self._nvml_module = nvml_module
         self._nvml: ModuleType | None = None
         self._nvml_error: str | None = None
@@ -228,6 +229,10 @@ class KimiCollector(Collector):
             checks.extend(health.gpu_checks(snapshot))
             if any(g.errors for g in snapshot.gpus):
                 self._scrape_errors += 1
+        engine = GaugeMetricFamily("kimi_exporter_engine_configured", "1 when this exporter reads the "
+                                   "service's config (health and plan series), 0 when it serves GPU series only.")
+        engine.add_metric([], 0.0 if self._plan_file is None else 1.0)
+        yield engine
         yield from self._health_metrics(checks)
         yield from self._plan_metrics()
 
@@ -276,7 +281,7 @@ class KimiCollector(Collector):
             yield latency
 
     def _plan_metrics(self) -> Iterator[Metric]:
-        plan = read_plan(self._plan_file)
+        plan = read_plan(self._plan_file) if self._plan_file else None
         if plan is None:
             return
         info = GaugeMetricFamily("kimi_plan_info", "The plan kimi-service serve runs vLLM with (value 1).",

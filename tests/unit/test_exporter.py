@@ -93,6 +93,7 @@ def test_gpu_series_use_dcgm_names_labels_and_units(scrape_with) -> None:
     assert by_gpu(metrics["DCGM_FI_DEV_ROW_REMAP_FAILURE"])["0"] == 0
     assert metrics["DCGM_FI_DEV_COUNT"][0].value == 2
     assert metrics["kimi_nvml_up"][0].value == 1
+    assert metrics["kimi_exporter_engine_configured"][0].value == 1
     assert metrics["kimi_exporter_scrape_errors"][0].value == 0
     assert len(metrics["kimi_gpu_scrape_seconds"]) == 2
 
@@ -228,3 +229,35 @@ def test_health_wait_gives_up_after_the_deadline_on_a_closed_port() -> None:
     assert 2.5 <= time.monotonic() - started < 6
     assert report.exit_code == 2
     assert "unreachable" in report.checks[0].message
+
+
+def test_without_a_config_the_exporter_serves_gpu_series_and_says_the_engine_is_absent(tmp_path: Path) -> None:
+    """Like dcgm-exporter: GPU metrics before (or without) the engine's config, not a crash loop."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    missing = tmp_path / "config.yaml"
+    process = subprocess.Popen([sys.executable, "-m", "kimi_service", "exporter", "--config", str(missing),
+                                "--host", "127.0.0.1", "--port", str(port)],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                break
+            except httpx.TransportError:
+                assert process.poll() is None, process.stderr.read()
+                assert time.monotonic() < deadline, "the exporter never answered"
+                time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["kimi_exporter_engine_configured"].samples[0].value == 0
+    assert "kimi_nvml_up" in families
+    assert "kimi_plan_info" not in families
+    assert f"no {missing}: serving the GPU and NVML series only" in stderr
+    assert process.returncode == 0
