@@ -90,7 +90,7 @@ def _memory_flags(budget: MemoryBudget, knobs: Knobs, draft: Draft) -> None:
         f"of {gib(budget.total_bytes)} per GPU: weights {gib(budget.weights_bytes)} + reserve "
         f"{gib(budget.reserve_bytes)} (activations {gib(budget.activation_bytes)}, CUDA graphs "
         f"{gib(budget.cuda_graph_bytes)}, non-torch {gib(budget.non_torch_bytes)}, NCCL {gib(budget.comm_bytes)}, "
-        f"encoder/draft {gib(budget.extra_bytes)}) + KV cache {gib(budget.kv_cache_bytes)}",
+        f"encoder/draft/MLA {gib(budget.extra_bytes)}) + KV cache {gib(budget.kv_cache_bytes)}",
     ))
     if knobs.kv_dtype != "auto":
         draft.flags.append(

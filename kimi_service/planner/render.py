@@ -35,7 +35,7 @@ def render(plan_: Plan) -> str:
             ("CUDA graphs", b.cuda_graph_bytes),
             ("non-torch", b.non_torch_bytes),
             ("NCCL buffers", b.comm_bytes),
-            ("encoder / draft", b.extra_bytes),
+            ("encoder / draft / MLA", b.extra_bytes),
             ("KV cache", b.kv_cache_bytes),
         ]
         lines.extend(f"  {label:<28} {gib(value):>12}" for label, value in rows)

@@ -13,6 +13,7 @@ from kimi_service.errors import UsageError
 from kimi_service.hardware import GIB, KNOWN_GPUS, GpuInventory, inventory_of, parse_gpu_spec
 from kimi_service.model import inspect_model, spec_from_catalog, spec_from_config
 from kimi_service.planner import DoesNotFit, plan, valid_tensor_parallel
+from kimi_service.planner.budget import MLA_RESERVE_BYTES
 
 KIMI = inspect_model("moonshotai/Kimi-K2.5")
 LLAMA_8B = inspect_model("meta-llama/Llama-3.1-8B-Instruct")
@@ -76,6 +77,38 @@ def test_kv_capacity_matches_what_vllm_reported_on_the_h200():
     # Never more optimistic than vLLM: the plan must not promise tokens that are not there.
     assert result.kv_cache_tokens <= 36_363_872
     assert flag(result.argv, "--gpu-memory-utilization") == "0.5"
+
+
+# The MLA + MoE model of the H200 run (vLLM 0.21.0): DeepSeek-V3 architecture, kv_lora_rank 512, rope 64,
+# 32 routed experts, 8 layers; its other widths were not recorded, so these are DeepSeek-V3's.
+MLA_MOE = spec_from_config(
+    {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 8, "first_k_dense_replace": 1,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 32,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+    },
+    name="mla-moe", weight_bytes=None, weight_bytes_source="", source="test",
+)
+
+
+def test_mla_kv_prediction_is_within_two_percent_below_what_vllm_allocated():
+    # Before the MLA reserve the planner said 14,277,488 tokens for that model, vLLM allocated 14,091,008.
+    per_token = MLA_MOE.kv_bytes_per_token()
+    assert per_token == 8 * (512 + 64) * 2
+    uncalibrated, measured = 14_277_488, 14_091_008
+    calibrated = (uncalibrated * per_token - MLA_RESERVE_BYTES) // (per_token * 16) * 16
+    assert -0.02 <= calibrated / measured - 1 <= 0
+
+
+def test_mla_models_reserve_the_mla_engine_memory():
+    result = plan(MLA_MOE, parse_gpu_spec("H200:1"), max_model_len=32768)
+    budget = result.budget
+    assert budget.extra_bytes == MLA_RESERVE_BYTES and "MLA" in result.reasons["--gpu-memory-utilization"]
+    assert budget.kv_cache_bytes == budget.usable_bytes - budget.weights_bytes - budget.reserve_bytes
+    assert plan(LLAMA_8B, parse_gpu_spec("H200:1")).budget.extra_bytes == 0
 
 
 def test_tp_never_splits_heads_unevenly():
