@@ -38,15 +38,16 @@ def test_the_articles_setup_does_not_fit_and_says_what_would():
 
 
 def test_kimi_on_8_h200_follows_the_recipe():
-    result = plan(KIMI, parse_gpu_spec("8xH200"), model_path="/var/lib/kimi-service/models/k25")
+    # The recipe's TP 8 is the latency plan; chat and throughput go DP+EP (tests/unit/test_planner_scale.py).
+    result = plan(KIMI, parse_gpu_spec("8xH200"), workload="latency", model_path="/var/lib/kimi-service/models/k25")
     argv = result.argv
     assert argv[:3] == ["vllm", "serve", "/var/lib/kimi-service/models/k25"]
-    assert flag(argv, "--tensor-parallel-size") == "8"
+    assert flag(argv, "--tensor-parallel-size") == "8" and "--data-parallel-size" not in argv
     assert flag(argv, "--tool-call-parser") == "kimi_k2" and flag(argv, "--reasoning-parser") == "kimi_k2"
     assert "--trust-remote-code" in argv and "--enable-auto-tool-choice" in argv
     assert flag(argv, "--served-model-name") == "moonshotai/Kimi-K2.5"
     assert result.max_model_len <= KIMI.native_max_len
-    assert result.max_concurrency >= 8
+    assert result.max_concurrency >= 2
     assert result.kv_cache_tokens == result.budget.kv_cache_bytes // (70272 * 16) * 16
     assert all(f in result.reasons for f in argv if f.startswith("--"))
 
@@ -124,7 +125,7 @@ def test_smallest_tp_with_a_useful_batch():
 
 
 def test_pipeline_parallel_spans_nodes():
-    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2)
+    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2, workload="latency")
     assert (result.tensor_parallel_size, result.pipeline_parallel_size) == (8, 2)
     assert flag(result.argv, "--pipeline-parallel-size") == "2"
 
@@ -270,11 +271,17 @@ def test_plans_never_exceed_the_memory_they_claim(model, gpu, count, nodes, work
         kv, tp = model.num_kv_heads, result.tensor_parallel_size
         assert kv % tp == 0 if kv >= tp else tp % kv == 0
     assert result.tensor_parallel_size <= count and result.pipeline_parallel_size <= nodes
+    if result.kv_cache_dtype == "fp8":
+        assert gpus.fp8
     per_token = model.kv_bytes_per_token(
         result.tensor_parallel_size, result.pipeline_parallel_size, 1 if result.kv_cache_dtype == "fp8" else 0
     )
-    assert result.kv_cache_tokens * per_token <= budget.kv_cache_bytes
-    assert result.max_model_len <= min(model.native_max_len, result.kv_cache_tokens)
+    assert result.kv_cache_tokens_per_rank * per_token <= budget.kv_cache_bytes
+    assert result.kv_cache_tokens == result.kv_cache_tokens_per_rank * result.data_parallel_size
+    assert result.max_model_len <= min(model.native_max_len, result.kv_cache_tokens_per_rank)
+    if result.data_parallel_size > 1:
+        assert model.is_moe and "--enable-expert-parallel" in result.argv and result.pipeline_parallel_size == 1
+        assert result.data_parallel_size * result.tensor_parallel_size <= count * nodes
 
 
 @settings(max_examples=60, deadline=None)
