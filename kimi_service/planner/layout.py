@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from kimi_service.errors import UsageError
@@ -26,6 +27,7 @@ from kimi_service.planner.fit import (
     fit_group,
     floor_len,
     knobs_for,
+    sequence_bytes,
     try_fit,
     valid_tensor_parallel,
 )
@@ -140,8 +142,14 @@ def _operator_data_parallel(problem: Problem) -> Fit:
     fit = _with_kv_dtype(problem, group)
     if fit is None:
         reason = _why_data_parallel_does_not_fit(problem, group)
+        knobs = knobs_for(problem)
+        budget = memory_budget(problem.model, problem.gpus, group, knobs)
+        least = max(problem.profile.min_concurrency, 1)
+        kv = sequence_bytes(problem.model, group, knobs, problem.requested_len or floor_len(problem.model)) * least
+        needed = math.ceil((budget.weights_bytes + budget.reserve_bytes + kv) * group.gpus / knobs.utilization)
         raise DoesNotFit(f"{problem.model.name} does not fit as {group.describe()} on {problem.hardware}: {reason}",
-                         needed_bytes=0, available_bytes=problem.gpus.memory_bytes * group.gpus, suggestions=[])
+                         needed_bytes=needed, available_bytes=problem.gpus.memory_bytes * group.gpus,
+                         suggestions=[])
     return replace(fit, choice=f"operator's --data-parallel-size {group.data}")
 
 

@@ -100,6 +100,7 @@ def test_dp_ep_that_does_not_fit_is_refused_with_the_weights_per_rank():
     assert "does not fit as DP 8 x EP 8 on 8 x A100-SXM4-80GB" in text
     assert "of weights per rank" in text and "split 8 ways" in text
     assert info.value.exit_code == 3
+    assert info.value.needed_bytes > info.value.available_bytes == 8 * 80 * 2**30
 
 
 def test_an_operator_dp_size_is_planned_and_checked():
