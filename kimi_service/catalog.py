@@ -120,6 +120,9 @@ ENTRIES: tuple[CatalogEntry, ...] = (
                             "weights": {"num_bits": 4, "group_size": 32, "type": "int", "strategy": "group"}
                         }
                     },
+                    # Only the routed experts are INT4: expert parallelism shards them, the rest is replicated.
+                    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
                 },
             ),
         },

@@ -69,6 +69,9 @@ class ModelSpec:
     sliding_window_layers: int = 0  # layers that cache only the window
     dual_chunk_attention: bool = False
     notes: tuple[str, ...] = ()  # assumptions the estimate makes, warned about in every plan
+    # The routed experts' share of weight_bytes: what expert parallelism shards over its ranks (the
+    # attention, dense layers, shared experts, router and embeddings are replicated on every DP rank).
+    expert_bytes: int = 0
 
     @property
     def weights_estimated(self) -> bool:
@@ -206,16 +209,30 @@ def estimate_parameters(text: Mapping[str, Any]) -> int:
     return sum(parameter_groups(text).values())
 
 
-def estimate_weight_bytes(text: Mapping[str, Any], scheme: quantization.Scheme, dtype: str) -> int:
-    """Checkpoint bytes: quantized groups at the scheme's width, the rest at the checkpoint dtype."""
+def group_bytes(text: Mapping[str, Any], scheme: quantization.Scheme, dtype: str) -> dict[str, float]:
+    """Checkpoint bytes of each parameter group: quantized groups at the scheme's width, the rest at the
+    checkpoint dtype."""
     wide = float(_DTYPE_BYTES.get(dtype, 2))
     narrow = scheme.bytes_per_weight or wide
     layers = int(text["num_hidden_layers"])
-    total = 0.0
+    result = {}
     for group, count in parameter_groups(text).items():
         kept = scheme.kept_fraction(group, layers)
-        total += count * (kept * wide + (1 - kept) * narrow)
-    return int(total)
+        result[group] = count * (kept * wide + (1 - kept) * narrow)
+    return result
+
+
+def estimate_weight_bytes(text: Mapping[str, Any], scheme: quantization.Scheme, dtype: str) -> int:
+    """Checkpoint bytes: quantized groups at the scheme's width, the rest at the checkpoint dtype."""
+    return int(sum(group_bytes(text, scheme, dtype).values()))
+
+
+def expert_share(text: Mapping[str, Any], scheme: quantization.Scheme, dtype: str) -> float:
+    """The routed experts' fraction of the checkpoint's bytes (0 for a dense model); it scales a measured
+    weight size (safetensors index, catalog) as well as an estimated one."""
+    groups = group_bytes(text, scheme, dtype)
+    total = sum(groups.values())
+    return groups.get("experts", 0.0) / total if total else 0.0
 
 
 def _num_experts(text: Mapping[str, Any]) -> int | None:
@@ -253,6 +270,7 @@ def spec_from_config(
     if weight_bytes is None:
         weight_bytes = estimate_weight_bytes(text, scheme, dtype)
         weight_bytes_source = "estimated from config.json"
+    expert_bytes = int(weight_bytes * expert_share(text, scheme, dtype))
     window = geometry.sliding_window(text, layers)
     experts = _num_experts(text)
     per_token = text.get("num_experts_per_tok") or text.get("experts_per_token")
@@ -289,6 +307,7 @@ def spec_from_config(
         sliding_window_layers=window.layers if window else 0,
         dual_chunk_attention=geometry.dual_chunk(text),
         notes=tuple(notes),
+        expert_bytes=expert_bytes,
     )
 
 

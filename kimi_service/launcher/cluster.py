@@ -28,10 +28,20 @@ FOLLOWER_MISSES = 3
 SIOCGIFADDR = 0x8915
 
 
-def cluster_flags(cluster: ClusterConfig) -> list[str]:
-    """vLLM's own multi-node launch: every node gets the same rendezvous, each its own rank."""
-    return ["--nnodes", str(cluster.nodes), "--node-rank", str(cluster.node_rank),
-            "--master-addr", cluster.master_addr, "--master-port", str(cluster.master_port)]
+def cluster_flags(cluster: ClusterConfig, data_parallel_local: int = 0) -> list[str]:
+    """vLLM's own multi-node launch: every node gets the same rendezvous, each its own rank.
+
+    TP x PP: torch.distributed's (--nnodes, --node-rank, --master-addr, --master-port). DP+EP
+    (`data_parallel_local` ranks per node): the DP handshake at the leader's address on master_port, and
+    each follower's first DP rank; the leader starts at rank 0 and serves the API.
+    """
+    if not data_parallel_local:
+        return ["--nnodes", str(cluster.nodes), "--node-rank", str(cluster.node_rank),
+                "--master-addr", cluster.master_addr, "--master-port", str(cluster.master_port)]
+    flags = ["--data-parallel-address", cluster.master_addr, "--data-parallel-rpc-port", str(cluster.master_port)]
+    if not cluster.is_leader:
+        flags += ["--data-parallel-start-rank", str(cluster.node_rank * data_parallel_local)]
+    return flags
 
 
 def interface_addresses() -> dict[str, str]:
@@ -86,24 +96,28 @@ def _proc_net_address(field: str) -> tuple[str, int]:
     return str(address), int(port, 16)
 
 
-def connected_to(tables: Iterable[str], host: str, port: int) -> bool:
-    """Whether /proc/net/tcp and tcp6 show an established connection to host:port."""
+def connected_to(tables: Iterable[str], host: str, port: int | None) -> bool:
+    """Whether /proc/net/tcp and tcp6 show an established connection to host:port (any port: None)."""
     for table in tables:
         for line in table.splitlines()[1:]:
             fields = line.split()
-            if len(fields) > 3 and fields[3] == "01" and _proc_net_address(fields[2]) == (host, port):
-                return True
+            if len(fields) > 3 and fields[3] == "01":
+                remote_host, remote_port = _proc_net_address(fields[2])
+                if remote_host == host and port in (None, remote_port):
+                    return True
     return False
 
 
-def joined(cluster: ClusterConfig) -> bool:
+def joined(cluster: ClusterConfig, data_parallel: bool = False) -> bool:
     """A follower's engine has joined the group: it holds a connection to the leader's rendezvous
-    store (torch.distributed's TCPStore on master_addr:master_port), which it keeps while it is a member."""
+    store (torch.distributed's TCPStore on master_addr:master_port), which it keeps while it is a member.
+    A DP+EP follower's engines shake hands on that port and then keep their own connections to the
+    leader's front end and DP coordinator (ports the leader picks): any connection to the leader counts."""
     tables = []
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
             tables.append(Path(name).read_text())
-    return connected_to(tables, cluster.master_addr, cluster.master_port)
+    return connected_to(tables, cluster.master_addr, None if data_parallel else cluster.master_port)
 
 
 class FollowerStatus:

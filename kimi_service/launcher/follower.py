@@ -55,7 +55,7 @@ def _follow(cluster: ClusterConfig, engine: EngineProcess, notifier: Notifier, p
     member = False
     while not engine.stopping.is_set():
         engine.check()
-        now = joined(cluster)
+        now = joined(cluster, data_parallel="--data-parallel-address" in engine.launch.argv)
         if member and not now:
             # vLLM's headless workers outlive a dead leader (measured: they log the broken
             # connection and wait); a restarted leader could never form a group with them.

@@ -37,9 +37,10 @@ class Launch:
 
 
 def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
-                cluster: ClusterConfig | None = None) -> list[str]:
+                cluster: ClusterConfig | None = None, *, data_parallel_local: int = 0) -> list[str]:
     """Turn the planner's `vllm serve MODEL FLAGS` into the module invocation, with a drain bound;
-    a follower node runs `serve --headless` (no API server, only its share of the workers)."""
+    a follower node runs `serve --headless` (no API server, only its share of the workers: its TP x PP
+    ranks, or under DP+EP its `data_parallel_local` DP ranks)."""
     if len(plan_argv) < 3 or list(plan_argv[:2]) != ["vllm", "serve"]:
         raise KimiError(f"the planner produced {list(plan_argv[:3])}, not `vllm serve MODEL ...`")
     flags = list(plan_argv[3:])
@@ -53,7 +54,7 @@ def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
         # GET /load then counts the requests the API server holds, also those not yet in the engine.
         argv.append(LOAD_TRACKING_FLAG)
     if cluster:
-        argv += cluster_flags(cluster)
+        argv += cluster_flags(cluster, data_parallel_local)
         if not cluster.is_leader:
             argv.append("--headless")
     return argv
@@ -148,7 +149,8 @@ def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
         plan_env.update(cluster_env(cluster, interface_addresses()))
         document["cluster"] = {"node_rank": cluster.node_rank, "nodes": cluster.nodes,
                                "master": f"{cluster.master_addr}:{cluster.master_port}"}
-    argv = engine_argv(plan.argv, sys.executable, config.serve.drain_timeout, cluster)
+    local = plan.data_parallel_size_local if plan.data_parallel_size > 1 else 0
+    argv = engine_argv(plan.argv, sys.executable, config.serve.drain_timeout, cluster, data_parallel_local=local)
     return Launch(argv=argv, env=engine_env(os.environ, plan_env, argv, config), plan_document=document)
 
 

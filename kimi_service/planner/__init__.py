@@ -1,8 +1,9 @@
 """ModelSpec x GpuInventory x workload -> the vLLM command line, its memory budget and why; or DoesNotFit.
 
 Pure functions: no NVML, no files, no network. `planning.plan` checks the request and builds a `fit.Problem`;
-`fit` searches the smallest tensor x pipeline group whose KV cache (`budget`) serves the workload; `gpu` and
-`cpu` turn the fit into flags, `document` into the `Plan`; `advice` says what would fit when nothing does;
+`fit` searches the smallest tensor x pipeline group whose KV cache (`budget`) serves the workload; `layout`
+weighs it against data parallel + expert parallel for MoE models and BF16 against FP8 KV; `gpu` and `cpu`
+turn the fit into flags, `document` into the `Plan`; `advice` says what would fit when nothing does;
 `render` prints a plan for people.
 """
 

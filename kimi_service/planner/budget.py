@@ -21,6 +21,15 @@ CUDA_GRAPH_PER_LAYER_BYTES = 8 * 2**20
 ENCODER_BYTES = GIB  # a replicated vision encoder (--mm-encoder-tp-mode data) and its profiling
 DRAFT_BYTES = 2 * GIB  # an EAGLE3 draft head is one layer plus its own KV
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default max_num_batched_tokens for the OpenAI server
+# MLA + MoE engines hold more outside weights and KV than the Llama-calibrated terms below count: the MLA
+# backends' prefill workspace and full CUDA graphs, the fused-MoE kernels' buffers. Calibrated on the H200
+# (vLLM 0.21.0, DeepSeek-V3 architecture, kv_lora_rank 512, rope 64, 32 routed experts, 8 layers): without
+# it the planner said 14,277,488 KV tokens where vLLM allocated 14,091,008 (+1.3%); with it, 14,044,480
+# (-0.33%). The measured model's widths were not recorded, so this is a fixed amount, not one that scales.
+MLA_RESERVE_BYTES = 2 * GIB
+# Expert parallelism over data-parallel ranks: the all-to-all dispatch/combine buffers (not measured: the
+# H200 test machine has one GPU), on top of the NCCL buffers every multi-GPU group has.
+EP_COMM_BYTES = GIB // 2
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,7 @@ class MemoryBudget:
     cuda_graph_bytes: int
     non_torch_bytes: int
     comm_bytes: int
-    extra_bytes: int  # vision encoder, draft model
+    extra_bytes: int  # vision encoder, draft model, the MLA/MoE engine reserve
     kv_cache_bytes: int
 
     @property
@@ -69,38 +78,64 @@ class Knobs:
 
 @dataclass(frozen=True)
 class Parallelism:
+    """TP x PP, or DP+EP: `data` engines (DP ranks) of TP `tensor` each, every one with its own copy of
+    the attention, dense layers and KV cache, the routed experts sharded over all data x tensor GPUs."""
+
     tensor: int
     pipeline: int
+    data: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipeline
+        return self.tensor * self.pipeline * self.data
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.data > 1
 
     def describe(self) -> str:
+        if self.data > 1:
+            return f"DP {self.data} x EP {self.gpus}" + (f" (TP {self.tensor} per rank)" if self.tensor > 1 else "")
         return f"TP {self.tensor}" + (f" x PP {self.pipeline}" if self.pipeline > 1 else "")
+
+
+def weights_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:
+    """Weight bytes on the busiest GPU. TP x PP: the body split over all GPUs, the embeddings and LM head on
+    the first and last stage. DP+EP: everything but the routed experts whole on each rank (split by its
+    TP), the routed experts split over every GPU."""
+    tp, pp = parallel.tensor, parallel.pipeline
+    if parallel.data > 1:
+        return math.ceil((model.weight_bytes - model.expert_bytes) / tp) + math.ceil(model.expert_bytes / parallel.gpus)
+    body = max(model.weight_bytes - 2 * model.embedding_bytes, 0)
+    weights = math.ceil(body / (tp * pp)) + math.ceil(model.embedding_bytes * (2 if pp == 1 else 1) / tp)
+    return min(weights, math.ceil(model.weight_bytes / tp))
 
 
 def memory_budget(model: ModelSpec, gpus: GpuInventory, parallel: Parallelism, knobs: Knobs) -> MemoryBudget:
     tp, pp = parallel.tensor, parallel.pipeline
     total = gpus.memory_bytes
     usable = int(total * knobs.utilization)
-    # Embeddings and LM head sit on the first and last PP stage; the busiest stage carries one of them.
-    body = max(model.weight_bytes - 2 * model.embedding_bytes, 0)
-    weights = math.ceil(body / (tp * pp)) + math.ceil(model.embedding_bytes * (2 if pp == 1 else 1) / tp)
-    weights = min(weights, math.ceil(model.weight_bytes / tp))
+    weights = weights_per_gpu(model, parallel)
     tokens = knobs.batched_tokens or DEFAULT_BATCHED_TOKENS
     seqs = knobs.max_num_seqs or (1024 if total >= 70 * GIB and gpus.compute_capability >= (9, 0) else 256)
     mlp_width = (model.moe_intermediate_size or model.intermediate_size) * (model.experts_per_token or 1)
     # Profiling runs one batch of max_num_batched_tokens: hidden states, this rank's MLP slice, and
     # float32 logits for up to max_num_seqs sequences.
     activation = tokens * (4 * model.hidden_size + 3 * mlp_width // tp) * 2 + seqs * model.vocab_size * 4
+    if parallel.data > 1:
+        # The MoE layers gather every DP rank's batch (dispatch) and scatter the results back (combine).
+        activation += tokens * parallel.data * model.hidden_size * 2 * 2
     graphs = (
         0
         if knobs.enforce_eager
         else CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_PER_LAYER_BYTES * math.ceil(model.num_layers / pp)
     )
-    comm = COMM_BYTES if tp * pp > 1 else 0
-    extra = (ENCODER_BYTES if model.multimodal else 0) + (DRAFT_BYTES if knobs.speculative else 0)
+    comm = (COMM_BYTES if parallel.gpus > 1 else 0) + (EP_COMM_BYTES if parallel.data > 1 else 0)
+    extra = (
+        (ENCODER_BYTES if model.multimodal else 0)
+        + (DRAFT_BYTES if knobs.speculative else 0)
+        + (MLA_RESERVE_BYTES if model.attention == "mla" else 0)
+    )
     kv = usable - weights - activation - graphs - NON_TORCH_BYTES - comm - extra
     return MemoryBudget(
         total_bytes=total,

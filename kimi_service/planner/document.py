@@ -34,8 +34,14 @@ class Plan:
     kv_cache_dtype: str
     max_concurrency: int  # sequences of max_model_len the KV cache holds at once
     expert_parallel: bool = False
-    budget: MemoryBudget | None = None
+    budget: MemoryBudget | None = None  # bytes on one GPU (each DP rank's, under DP+EP)
     overrides: list[str] = field(default_factory=list)
+    # DP+EP: engines (ranks) in all, and on each node; kv_cache_tokens counts all ranks, this one rank's
+    # (what vLLM logs as "GPU KV cache size" per engine).
+    data_parallel_size: int = 1
+    data_parallel_size_local: int = 1
+    kv_cache_tokens_per_rank: int = 0
+    parallelism: str = ""  # "TP 8", "TP 8 x PP 2", "DP 8 x EP 8"
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -135,7 +141,7 @@ def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft, *, ex
         max_model_len=fit.max_model_len,
         gpu_memory_utilization=knobs.utilization if knobs and not gpus.is_cpu else None,
         weights_bytes_per_gpu=budget.weights_bytes if budget else 0,
-        kv_cache_tokens=fit.kv_cache_tokens,
+        kv_cache_tokens=fit.total_kv_tokens,
         warnings=draft.warnings,
         reasons=reasons,
         model=model.name,
@@ -148,13 +154,26 @@ def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft, *, ex
         expert_parallel=expert_parallel,
         budget=budget,
         overrides=extra,
+        data_parallel_size=fit.parallel.data,
+        data_parallel_size_local=fit.parallel.data // problem.nodes if fit.parallel.data > 1 else 1,
+        kv_cache_tokens_per_rank=fit.kv_cache_tokens,
+        parallelism=fit.parallel.describe(),
     )
 
 
 def check_spans_nodes(plan_: Plan) -> None:
-    """vLLM's multi-node launch splits the TP x PP ranks evenly over the nodes; a plan that needs fewer
-    nodes than the cluster has would put one TP group across hosts (or leave a node idle): refuse it."""
+    """vLLM's multi-node launch splits the TP x PP ranks (or the DP ranks) evenly over the nodes; a plan
+    that needs fewer nodes than the cluster has would put one TP group across hosts (or leave a node
+    idle): refuse it."""
     nodes = plan_.nodes
+    if nodes > 1 and plan_.data_parallel_size > 1:
+        if plan_.data_parallel_size_local * nodes == plan_.data_parallel_size and plan_.pipeline_parallel_size == 1:
+            return
+        raise UsageError(
+            f"{plan_.model}: DP {plan_.data_parallel_size} with {plan_.data_parallel_size_local} rank(s) per node "
+            f"does not spread evenly over the {nodes} nodes of this cluster; set --data-parallel-size to a multiple "
+            "of the node count"
+        )
     world = plan_.tensor_parallel_size * plan_.pipeline_parallel_size
     spread = plan_.pipeline_parallel_size if plan_.engine == "cuda" else plan_.tensor_parallel_size
     if nodes > 1 and (spread != nodes or world % nodes):

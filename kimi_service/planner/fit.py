@@ -39,6 +39,7 @@ class Problem:
     profile: Workload = PROFILES["chat"]
     requested_len: int | None = None
     overrides: Overrides = field(default_factory=Overrides)
+    kv_dtype: str | None = None  # the planner's own KV dtype choice (layout.choose); an override beats it
 
     @property
     def hardware(self) -> str:
@@ -54,14 +55,21 @@ class Fit:
     kv_cache_tokens: int
     budget: MemoryBudget | None = None  # None on the CPU engine, which has no GPU to budget
     knobs: Knobs | None = None
-    concurrency: int | None = None  # sequences of max_model_len held (sliding windows counted)
+    concurrency: int | None = None  # sequences of max_model_len held, over all DP ranks (sliding windows counted)
     choice: str = ""  # why this group, when it is not simply the smallest that serves the workload
+    # Reasons for choices that are not flags of their own: why DP+EP is off, why the KV dtype is what it is.
+    notes: tuple[tuple[str, str], ...] = ()
 
     @property
     def max_concurrency(self) -> int:
         if self.concurrency is not None:
             return self.concurrency
-        return self.kv_cache_tokens // self.max_model_len if self.max_model_len else 0
+        return self.kv_cache_tokens // self.max_model_len * self.parallel.data if self.max_model_len else 0
+
+    @property
+    def total_kv_tokens(self) -> int:
+        """KV tokens over all DP ranks (kv_cache_tokens is one engine's, as vLLM logs it)."""
+        return self.kv_cache_tokens * self.parallel.data
 
 
 def valid_tensor_parallel(model: ModelSpec, tp: int) -> bool:
@@ -112,7 +120,9 @@ def candidates(problem: Problem) -> list[Parallelism]:
 
 def knobs_for(problem: Problem) -> Knobs:
     model, gpus, profile, overrides = problem.model, problem.gpus, problem.profile, problem.overrides
-    kv_dtype = overrides.get("--kv-cache-dtype") or ("fp8" if profile.fp8_kv and gpus.fp8 else "auto")
+    kv_dtype = (
+        overrides.get("--kv-cache-dtype") or problem.kv_dtype or ("fp8" if profile.fp8_kv and gpus.fp8 else "auto")
+    )
     entry = problem.entry
     speculative = (
         entry.speculative if entry and profile.speculative and "--speculative-config" not in overrides else None
@@ -147,12 +157,13 @@ def sequence_bytes(model: ModelSpec, parallel: Parallelism, knobs: Knobs, length
 def sequences_held(
     model: ModelSpec, budget: MemoryBudget, parallel: Parallelism, knobs: Knobs
 ) -> Callable[[int], int]:
-    """How many sequences of a length the group's KV cache holds (in vLLM's 16-token blocks when every
-    layer caches every token; sliding-window layers counted at their window)."""
-    tokens = kv_tokens(model, budget, parallel, knobs)
+    """How many sequences of a length the group's KV caches hold (in vLLM's 16-token blocks when every
+    layer caches every token; sliding-window layers counted at their window). Each DP rank holds its own
+    sequences in its own cache: a sequence never spans ranks."""
+    tokens, ranks = kv_tokens(model, budget, parallel, knobs), parallel.data
     if not model.sliding_window_layers:
-        return lambda length: tokens // length
-    return lambda length: budget.kv_cache_bytes // sequence_bytes(model, parallel, knobs, length)
+        return lambda length: tokens // length * ranks
+    return lambda length: budget.kv_cache_bytes // sequence_bytes(model, parallel, knobs, length) * ranks
 
 
 def long_prefill(knobs: Knobs, overrides: Overrides) -> Knobs:
@@ -161,7 +172,7 @@ def long_prefill(knobs: Knobs, overrides: Overrides) -> Knobs:
     return replace(knobs, batched_tokens=tokens, enforce_eager=True, long_prefill=True)
 
 
-def _evaluate(problem: Problem, parallel: Parallelism, knobs: Knobs, limit: int) -> Fit | None:
+def evaluate(problem: Problem, parallel: Parallelism, knobs: Knobs, limit: int) -> Fit | None:
     model = problem.model
     budget = memory_budget(model, problem.gpus, parallel, knobs)
     held = sequences_held(model, budget, parallel, knobs)
@@ -172,18 +183,18 @@ def _evaluate(problem: Problem, parallel: Parallelism, knobs: Knobs, limit: int)
                budget=budget, knobs=knobs, concurrency=held(length))
 
 
-def _fit_group(problem: Problem, parallel: Parallelism, knobs: Knobs) -> Fit | None:
+def fit_group(problem: Problem, parallel: Parallelism, knobs: Knobs) -> Fit | None:
     """This group's fit; a dual-chunk model past LONG_PREFILL_TOKENS is costed with its long-prefill knobs,
     else kept at that length with the default ones."""
     model, requested = problem.model, problem.requested_len
     if not model.dual_chunk_attention or (requested or model.native_max_len) <= LONG_PREFILL_TOKENS:
-        return _evaluate(problem, parallel, knobs, model.native_max_len)
-    long = _evaluate(problem, parallel, long_prefill(knobs, problem.overrides), model.native_max_len)
+        return evaluate(problem, parallel, knobs, model.native_max_len)
+    long = evaluate(problem, parallel, long_prefill(knobs, problem.overrides), model.native_max_len)
     if long is not None and long.max_model_len > LONG_PREFILL_TOKENS:
         return long
     if requested:
         return None
-    return _evaluate(problem, parallel, knobs, LONG_PREFILL_TOKENS)
+    return evaluate(problem, parallel, knobs, LONG_PREFILL_TOKENS)
 
 
 def try_fit(problem: Problem) -> Fit | None:
@@ -194,7 +205,7 @@ def try_fit(problem: Problem) -> Fit | None:
     fitting: list[Fit] = []
     for parallel in candidates(problem):
         these = knobs if not (knobs.speculative and parallel.pipeline > 1) else replace(knobs, speculative=None)
-        fit = _fit_group(problem, parallel, these)
+        fit = fit_group(problem, parallel, these)
         if fit is None:
             continue
         fitting.append(fit)

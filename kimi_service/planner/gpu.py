@@ -6,7 +6,7 @@ import json
 
 from kimi_service import catalog
 from kimi_service.hardware import GIB, GpuInventory
-from kimi_service.planner.budget import Knobs, MemoryBudget
+from kimi_service.planner.budget import Knobs
 from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
 from kimi_service.planner.fit import Fit, Problem, needs_expert_parallel
 from kimi_service.planner.render import gib
@@ -30,7 +30,7 @@ def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
     draft.flags.extend(endpoint_flags(problem.model, endpoint))
     _parallel_flags(problem, fit, draft)
     _length_flag(problem, fit, draft)
-    _memory_flags(fit.budget, fit.knobs, draft)
+    _memory_flags(fit, draft)
     _workload_flags(problem.profile, draft)
     _long_prefill_flags(fit.knobs, draft)
     expert_parallel = _expert_parallel_flag(problem, fit, draft)
@@ -44,6 +44,9 @@ def _parallel_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
     model, tp, pp = problem.model, fit.parallel.tensor, fit.parallel.pipeline
     assert fit.budget is not None
     kv_heads = f" and {model.num_kv_heads} KV heads" if model.attention == "gqa" else " (MLA latent KV is per rank)"
+    if fit.parallel.data > 1:
+        _data_parallel_flags(problem, fit, draft)
+        return
     chosen = fit.choice or "smallest TP that fits"
     draft.flags.append(Flag(
         "--tensor-parallel-size",
@@ -61,6 +64,29 @@ def _parallel_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
         )
 
 
+def _data_parallel_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
+    """DP+EP: the DP size over all nodes, the ranks on each node; kimi-service serve adds each node's
+    rendezvous (--data-parallel-address, --data-parallel-rpc-port, --data-parallel-start-rank, --headless)."""
+    model, parallel, budget = problem.model, fit.parallel, fit.budget
+    assert budget is not None
+    local = parallel.data // problem.nodes
+    draft.flags.append(Flag(
+        "--tensor-parallel-size", str(parallel.tensor),
+        f"per DP rank: divides the {model.num_attention_heads} attention heads",
+    ))
+    draft.flags.append(Flag(
+        "--data-parallel-size", str(parallel.data),
+        f"{fit.choice}; weights per rank {gib(budget.weights_bytes)} (attention, dense layers and embeddings "
+        f"{gib(model.weight_bytes - model.expert_bytes)} whole, routed experts {gib(model.expert_bytes)} / "
+        f"{parallel.gpus}), KV cache {gib(budget.kv_cache_bytes)} per rank",
+    ))
+    node_why = "" if problem.nodes == 1 else (
+        f"; {problem.nodes} nodes: the leader serves the API, the others run headless from "
+        "--data-parallel-start-rank (kimi-service serve adds each node's rendezvous flags)"
+    )
+    draft.flags.append(Flag("--data-parallel-size-local", str(local), f"{local} DP ranks on each node{node_why}"))
+
+
 def _length_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
     model, length, tokens = problem.model, fit.max_model_len, fit.kv_cache_tokens
     concurrency = fit.max_concurrency
@@ -76,26 +102,31 @@ def _length_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
         f" ({model.sliding_window_layers} of {model.num_layers} layers keep only a {model.sliding_window:,}-token "
         "window per sequence)" if model.sliding_window_layers else ""
     )
+    held = f"KV cache holds {tokens:,} tokens" if fit.parallel.data == 1 else (
+        f"each of the {fit.parallel.data} DP ranks' KV caches holds {tokens:,} tokens"
+    )
     draft.flags.append(Flag(
         "--max-model-len",
         str(length),
-        f"{len_reason}; KV cache holds {tokens:,} tokens = {concurrency} sequences at this length{window}",
+        f"{len_reason}; {held} = {concurrency} sequences at this length{window}",
     ))
 
 
-def _memory_flags(budget: MemoryBudget, knobs: Knobs, draft: Draft) -> None:
+def _memory_flags(fit: Fit, draft: Draft) -> None:
+    budget, knobs, notes = fit.budget, fit.knobs, dict(fit.notes)
+    assert budget is not None and knobs is not None
     draft.flags.append(Flag(
         "--gpu-memory-utilization",
         f"{knobs.utilization:.2f}",
         f"of {gib(budget.total_bytes)} per GPU: weights {gib(budget.weights_bytes)} + reserve "
         f"{gib(budget.reserve_bytes)} (activations {gib(budget.activation_bytes)}, CUDA graphs "
         f"{gib(budget.cuda_graph_bytes)}, non-torch {gib(budget.non_torch_bytes)}, NCCL {gib(budget.comm_bytes)}, "
-        f"encoder/draft {gib(budget.extra_bytes)}) + KV cache {gib(budget.kv_cache_bytes)}",
+        f"encoder/draft/MLA {gib(budget.extra_bytes)}) + KV cache {gib(budget.kv_cache_bytes)}",
     ))
     if knobs.kv_dtype != "auto":
-        draft.flags.append(
-            Flag("--kv-cache-dtype", knobs.kv_dtype, "FP8 KV halves cache bytes per token; the GPU has FP8")
-        )
+        why = notes.get("--kv-cache-dtype", "FP8 KV halves cache bytes per token; the GPU has FP8")
+        draft.flags.append(Flag("--kv-cache-dtype", knobs.kv_dtype, why))
+    draft.reasons.update((key, why) for key, why in fit.notes if not key.startswith("--"))
 
 
 def _workload_flags(profile: Workload, draft: Draft) -> None:
@@ -124,10 +155,15 @@ def _long_prefill_flags(knobs: Knobs, draft: Draft) -> None:
 def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> bool:
     model, tp = problem.model, fit.parallel.tensor
     assert fit.knobs is not None
-    expert_parallel = fit.parallel.gpus > 1 and (fit.knobs.expert_parallel or needs_expert_parallel(model, tp))
+    expert_parallel = fit.parallel.expert_parallel or (
+        fit.parallel.gpus > 1 and (fit.knobs.expert_parallel or needs_expert_parallel(model, tp))
+    )
     if expert_parallel:
         why = (
-            "FP8 128-wide expert blocks do not split evenly at this TP: whole experts go to GPUs instead"
+            f"DP+EP: the routed experts are split over all {fit.parallel.gpus} GPUs (EP = DP x TP); each rank's "
+            "attention serves its own requests"
+            if fit.parallel.expert_parallel
+            else "FP8 128-wide expert blocks do not split evenly at this TP: whole experts go to GPUs instead"
             if needs_expert_parallel(model, tp)
             else "throughput: whole experts per GPU avoid slicing each expert; pays off at large batches"
         )

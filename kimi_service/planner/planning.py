@@ -11,8 +11,9 @@ from kimi_service.model import ModelSpec
 from kimi_service.planner.advice import does_not_fit
 from kimi_service.planner.cpu import cpu_plan
 from kimi_service.planner.document import Draft, Endpoint, Plan
-from kimi_service.planner.fit import Problem, try_fit
+from kimi_service.planner.fit import Problem
 from kimi_service.planner.gpu import gpu_plan
+from kimi_service.planner.layout import choose
 from kimi_service.planner.overrides import Overrides
 from kimi_service.workloads import PROFILES, WORKLOADS
 
@@ -59,7 +60,7 @@ def plan(
     endpoint = Endpoint(model_path=model_path, served_model_name=served_model_name, host=host, port=port)
     if gpus.is_cpu:
         return cpu_plan(problem, endpoint, draft)
-    fit = try_fit(problem)
+    fit = choose(problem)
     if fit is None:
         raise does_not_fit(problem)
     return gpu_plan(problem, endpoint, fit, draft)

@@ -17,6 +17,8 @@ def size(value: int) -> str:
 def render(plan_: Plan) -> str:
     """A short table for people: command, memory budget, reasons, warnings."""
     lines = [f"{plan_.model} on {plan_.hardware} ({plan_.engine} engine, workload {plan_.workload}): fits"]
+    if plan_.parallelism:
+        lines.append(f"parallelism: {plan_.parallelism}" + (", expert parallel" if plan_.expert_parallel else ""))
     lines.append("")
     lines.append("command:")
     lines.append("  " + " ".join(_quote(a) for a in plan_.argv))
@@ -26,7 +28,7 @@ def render(plan_: Plan) -> str:
     lines.append("")
     if plan_.budget:
         b = plan_.budget
-        lines.append("memory per GPU:")
+        lines.append("memory per GPU:" if plan_.data_parallel_size == 1 else "memory per GPU (every DP rank):")
         rows = [
             ("total", b.total_bytes),
             (f"usable at {plan_.gpu_memory_utilization:.2f}", b.usable_bytes),
@@ -35,10 +37,12 @@ def render(plan_: Plan) -> str:
             ("CUDA graphs", b.cuda_graph_bytes),
             ("non-torch", b.non_torch_bytes),
             ("NCCL buffers", b.comm_bytes),
-            ("encoder / draft", b.extra_bytes),
+            ("encoder / draft / MLA", b.extra_bytes),
             ("KV cache", b.kv_cache_bytes),
         ]
         lines.extend(f"  {label:<28} {gib(value):>12}" for label, value in rows)
+    if plan_.data_parallel_size > 1:
+        lines.append(f"  {'KV cache tokens per rank':<28} {plan_.kv_cache_tokens_per_rank:>12,}")
     lines.append(f"  {'KV cache tokens':<28} {plan_.kv_cache_tokens:>12,}")
     lines.append(f"  {'concurrent full-length seqs':<28} {plan_.max_concurrency:>12,}")
     lines.append("")

@@ -33,8 +33,10 @@ def test_fits_json_contract(capsys):
     data = json.loads(capsys.readouterr().out)
     assert set(data) >= CONTRACT
     assert data["fits"] is True and data["argv"][:2] == ["vllm", "serve"]
-    assert data["tensor_parallel_size"] == 8 and isinstance(data["warnings"], list)
-    assert "--tensor-parallel-size" in data["reasons"]
+    # Chat on 8 x H200: attention data-parallel over the 8 GPUs, experts sharded (DP 8 x EP 8).
+    assert (data["tensor_parallel_size"], data["data_parallel_size"]) == (1, 8) and isinstance(data["warnings"], list)
+    assert data["kv_cache_tokens"] == 8 * data["kv_cache_tokens_per_rank"] and data["parallelism"] == "DP 8 x EP 8"
+    assert "--tensor-parallel-size" in data["reasons"] and "--data-parallel-size" in data["reasons"]
 
 
 def test_human_table(capsys):

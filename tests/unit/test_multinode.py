@@ -27,7 +27,8 @@ def _cluster_config(rank: int = 0, **cluster) -> dict:
 
 
 def test_kimi_on_two_a100_nodes_is_tp8_within_a_node_and_pp2_across():
-    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2)
+    # Latency: the smallest TP x PP group (chat goes DP+EP: test_planner_scale.py).
+    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2, workload="latency")
     assert (result.tensor_parallel_size, result.pipeline_parallel_size, result.nodes) == (8, 2, 2)
     assert "TP stays inside a node" in result.reasons["--pipeline-parallel-size"]
     check_spans_nodes(result)

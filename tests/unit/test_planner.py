@@ -13,6 +13,7 @@ from kimi_service.errors import UsageError
 from kimi_service.hardware import GIB, KNOWN_GPUS, GpuInventory, inventory_of, parse_gpu_spec
 from kimi_service.model import inspect_model, spec_from_catalog, spec_from_config
 from kimi_service.planner import DoesNotFit, plan, valid_tensor_parallel
+from kimi_service.planner.budget import MLA_RESERVE_BYTES
 
 KIMI = inspect_model("moonshotai/Kimi-K2.5")
 LLAMA_8B = inspect_model("meta-llama/Llama-3.1-8B-Instruct")
@@ -37,15 +38,16 @@ def test_the_articles_setup_does_not_fit_and_says_what_would():
 
 
 def test_kimi_on_8_h200_follows_the_recipe():
-    result = plan(KIMI, parse_gpu_spec("8xH200"), model_path="/var/lib/kimi-service/models/k25")
+    # The recipe's TP 8 is the latency plan; chat and throughput go DP+EP (tests/unit/test_planner_scale.py).
+    result = plan(KIMI, parse_gpu_spec("8xH200"), workload="latency", model_path="/var/lib/kimi-service/models/k25")
     argv = result.argv
     assert argv[:3] == ["vllm", "serve", "/var/lib/kimi-service/models/k25"]
-    assert flag(argv, "--tensor-parallel-size") == "8"
+    assert flag(argv, "--tensor-parallel-size") == "8" and "--data-parallel-size" not in argv
     assert flag(argv, "--tool-call-parser") == "kimi_k2" and flag(argv, "--reasoning-parser") == "kimi_k2"
     assert "--trust-remote-code" in argv and "--enable-auto-tool-choice" in argv
     assert flag(argv, "--served-model-name") == "moonshotai/Kimi-K2.5"
     assert result.max_model_len <= KIMI.native_max_len
-    assert result.max_concurrency >= 8
+    assert result.max_concurrency >= 2
     assert result.kv_cache_tokens == result.budget.kv_cache_bytes // (70272 * 16) * 16
     assert all(f in result.reasons for f in argv if f.startswith("--"))
 
@@ -78,6 +80,38 @@ def test_kv_capacity_matches_what_vllm_reported_on_the_h200():
     assert flag(result.argv, "--gpu-memory-utilization") == "0.5"
 
 
+# The MLA + MoE model of the H200 run (vLLM 0.21.0): DeepSeek-V3 architecture, kv_lora_rank 512, rope 64,
+# 32 routed experts, 8 layers; its other widths were not recorded, so these are DeepSeek-V3's.
+MLA_MOE = spec_from_config(
+    {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 8, "first_k_dense_replace": 1,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 32,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+    },
+    name="mla-moe", weight_bytes=None, weight_bytes_source="", source="test",
+)
+
+
+def test_mla_kv_prediction_is_within_two_percent_below_what_vllm_allocated():
+    # Before the MLA reserve the planner said 14,277,488 tokens for that model, vLLM allocated 14,091,008.
+    per_token = MLA_MOE.kv_bytes_per_token()
+    assert per_token == 8 * (512 + 64) * 2
+    uncalibrated, measured = 14_277_488, 14_091_008
+    calibrated = (uncalibrated * per_token - MLA_RESERVE_BYTES) // (per_token * 16) * 16
+    assert -0.02 <= calibrated / measured - 1 <= 0
+
+
+def test_mla_models_reserve_the_mla_engine_memory():
+    result = plan(MLA_MOE, parse_gpu_spec("H200:1"), max_model_len=32768)
+    budget = result.budget
+    assert budget.extra_bytes == MLA_RESERVE_BYTES and "MLA" in result.reasons["--gpu-memory-utilization"]
+    assert budget.kv_cache_bytes == budget.usable_bytes - budget.weights_bytes - budget.reserve_bytes
+    assert plan(LLAMA_8B, parse_gpu_spec("H200:1")).budget.extra_bytes == 0
+
+
 def test_tp_never_splits_heads_unevenly():
     # Llama 8B has 32 heads, 8 KV heads: on 6 GPUs TP is 1, 2 or 4, never 3 or 6.
     assert [t for t in range(1, 9) if valid_tensor_parallel(LLAMA_8B, t)] == [1, 2, 4, 8]
@@ -91,7 +125,7 @@ def test_smallest_tp_with_a_useful_batch():
 
 
 def test_pipeline_parallel_spans_nodes():
-    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2)
+    result = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2, workload="latency")
     assert (result.tensor_parallel_size, result.pipeline_parallel_size) == (8, 2)
     assert flag(result.argv, "--pipeline-parallel-size") == "2"
 
@@ -237,11 +271,17 @@ def test_plans_never_exceed_the_memory_they_claim(model, gpu, count, nodes, work
         kv, tp = model.num_kv_heads, result.tensor_parallel_size
         assert kv % tp == 0 if kv >= tp else tp % kv == 0
     assert result.tensor_parallel_size <= count and result.pipeline_parallel_size <= nodes
+    if result.kv_cache_dtype == "fp8":
+        assert gpus.fp8
     per_token = model.kv_bytes_per_token(
         result.tensor_parallel_size, result.pipeline_parallel_size, 1 if result.kv_cache_dtype == "fp8" else 0
     )
-    assert result.kv_cache_tokens * per_token <= budget.kv_cache_bytes
-    assert result.max_model_len <= min(model.native_max_len, result.kv_cache_tokens)
+    assert result.kv_cache_tokens_per_rank * per_token <= budget.kv_cache_bytes
+    assert result.kv_cache_tokens == result.kv_cache_tokens_per_rank * result.data_parallel_size
+    assert result.max_model_len <= min(model.native_max_len, result.kv_cache_tokens_per_rank)
+    if result.data_parallel_size > 1:
+        assert model.is_moe and "--enable-expert-parallel" in result.argv and result.pipeline_parallel_size == 1
+        assert result.data_parallel_size * result.tensor_parallel_size <= count * nodes
 
 
 @settings(max_examples=60, deadline=None)
