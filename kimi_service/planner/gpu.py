@@ -207,6 +207,7 @@ def _warnings(problem: Problem, fit: Fit, draft: Draft) -> None:
             "weight size estimated from config.json (no safetensors index or files): plan is approximate"
         )
     draft.warnings.extend(problem.model.notes)
+    draft.warnings.extend(_client_visible_warnings(problem, fit))
     if fit.max_concurrency < problem.profile.target_concurrency:
         draft.warnings.append(
             f"the KV cache holds only {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens; "
@@ -220,6 +221,31 @@ def _warnings(problem: Problem, fit: Fit, draft: Draft) -> None:
             "not start or may preempt requests: leave room (more GPUs, --kv-cache-dtype fp8 where the GPU has "
             "FP8, a shorter --max-model-len)"
         )
+
+
+def _client_visible_warnings(problem: Problem, fit: Fit) -> list[str]:
+    """What the plan changes that a client or the operator will notice, said where it is read (warnings and
+    the play's summary), not only in a flag's reason: a shorter context, and a plan that leans on the
+    network between hosts."""
+    warnings = []
+    native = problem.model.native_max_len
+    if problem.requested_len is None and fit.max_model_len < native:
+        fp8 = ", --kv-cache-dtype fp8" if problem.gpus.fp8 and not fit.knobs.kv_dtype.startswith("fp8") else ""
+        warnings.append(
+            f"context shortened from the model's {native:,} tokens to {fit.max_model_len:,} so the KV cache holds "
+            f"{fit.max_concurrency} full-length sequence(s): longer prompts are refused with 400; more GPUs{fp8} "
+            "or an explicit max_model_len (fewer sequences at once) give a longer context"
+        )
+    spans = fit.parallel.pipeline > 1 or (fit.parallel.data > 1 and problem.nodes > 1)
+    if spans:
+        over = (f"pipeline stages exchange activations every token over {problem.nodes} hosts"
+                if fit.parallel.pipeline > 1 else
+                f"expert-parallel ranks exchange tokens every MoE layer over {problem.nodes} hosts")
+        warnings.append(
+            f"{over}: speed depends on the network between them (InfiniBand or RoCE with GPUDirect RDMA; "
+            "plain TCP Ethernet can cut throughput several-fold); check NCCL's transport in the engine log"
+        )
+    return warnings
 
 
 def _architecture_warnings(quantization: str | None, gpus: GpuInventory, knobs: Knobs) -> list[str]:

@@ -3,6 +3,9 @@ launch, and FP8 KV when the KV cache bounds the plan (chosen, not chosen, and wh
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import math
 
 import pytest
@@ -163,3 +166,18 @@ def test_the_operators_kv_dtype_wins():
     assert result.kv_cache_dtype == "auto" and flag(result.argv, "--kv-cache-dtype") == "auto"
     assert result.argv.count("--kv-cache-dtype") == 1
     assert result.reasons["--kv-cache-dtype"] == "operator override"
+
+
+def test_a_shortened_context_and_a_plan_over_hosts_are_warnings_not_only_reasons() -> None:
+    """Issue: `plan --model moonshotai/Kimi-K2.5 --gpus A100-SXM4-80GB:8 --nodes 2` shortened the context
+    and spanned two hosts with `warnings` empty."""
+    from kimi_service.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["plan", "--model", "moonshotai/Kimi-K2.5", "--gpus", "A100-SXM4-80GB:8", "--nodes", "2",
+                         "--json"]) == 0
+    warnings = json.loads(out.getvalue())["warnings"]
+    shortened = [w for w in warnings if w.startswith("context shortened from the model's 262,144 tokens")]
+    assert shortened and "fp8" not in shortened[0], warnings  # A100 has no FP8: not offered
+    assert any("over 2 hosts: speed depends on the network" in w for w in warnings), warnings
