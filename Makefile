@@ -19,9 +19,10 @@ lint: bootstrap
 unit: bootstrap
 	$(BIN)/python -m pytest -m "not slow"
 
-# Two workers, a module per worker at a time (its hosts and engine are module fixtures), longest first.
+# Two workers, a module per worker at a time (its hosts and engine are module fixtures), in the order
+# tests/conftest.py collects them (longest first), not xdist's own (most tests first).
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=20
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 demo: bootstrap
 	$(BIN)/python scripts/demo.py up
