@@ -10,6 +10,7 @@ installs the CPU engine from the offline wheelhouse.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,6 +197,7 @@ def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, pod):
                            extra_vars={"kimi_vllm_extra_args": [*args, "--no-such-vllm-flag"]})
     assert run.returncode != 0, "an upgrade to an engine that cannot start passed"
     assert f"it is back on {venv} and serving. No further host was touched." in run.said, str(run)
+    assert re.search(r"root cause: vLLM failed to start: .*--no-such-vllm-flag", run.output), str(run)
     assert pod.host.ssh(f"readlink {ROOT}/install/venv").stdout.strip() == venv
     assert _chat(pod.api) is not None
 

@@ -271,6 +271,8 @@ def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inve
     run = ansible_playbook("playbooks/upgrade.yml", inventory, extra_vars=broken)
     assert run.returncode != 0
     assert f"it is back on {venv} and serving. No further host was touched." in run.said, str(run)
+    # The engine's own first error line leads the failure, not only a journal tail.
+    assert re.search(r"root cause: vLLM failed to start: .*--no-such-vllm-flag", run.output), str(run)
     assert host.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
     assert host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
     assert host.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"
