@@ -9,6 +9,8 @@ so the role installs the real package there rather than the controller running /
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +24,15 @@ from kimi_service.exporter import GPU_SERIES
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import TestHost, write_inventory
 from tests.support import prometheus
-from tests.support.cpu_site import API_KEY, REPO, SERVED, cpu_site_vars, gateway, runtime_layer
+from tests.support.cpu_site import (
+    API_KEY,
+    COMPILED_ENGINE_ARGS,
+    REPO,
+    SERVED,
+    cpu_site_vars,
+    gateway,
+    runtime_layer,
+)
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
@@ -49,6 +59,8 @@ def deployment(make_hosts, tmp_path_factory) -> Iterator[Deployment]:
             tmp_path_factory.mktemp("monitoring") / "hosts.yml", [engine], groups={"kimi_monitoring": [monitor]},
             extra_vars={
                 **site_vars,
+                # The product's default engine path: compiled, not --enforce-eager.
+                "kimi_vllm_extra_args": COMPILED_ENGINE_ARGS,
                 "kimi_firewall_allowed_cidrs": [*site_vars["kimi_firewall_allowed_cidrs"], f"{monitor.address}/32"],
                 **INTERVALS,
             },
@@ -185,3 +197,13 @@ def test_a_healthy_host_fires_nothing_and_a_stopped_engine_alerts(prom, engine):
         assert alerts[0]["state"] in {"pending", "firing"}
         assert "systemctl status kimi-vllm" in alerts[0]["annotations"]["description"]
     _eventually(engine_down_alert, timeout=90)
+
+
+def test_the_engine_runs_vllms_default_compiled_path(converge, engine):
+    """Without --enforce-eager the CPU engine compiles with torch.compile (g++ from the runtime stage); a
+    host without a C++ compiler died here at its first start."""
+    plan = json.loads(engine.ssh("cat /run/kimi-service/plan.json").stdout)
+    assert "--enforce-eager" not in plan["argv"], plan["argv"]
+    journal = engine.ssh("journalctl -u kimi-vllm --no-pager -o cat").stdout
+    assert re.search(r"Compiling a graph|Directly load the compiled graph", journal), journal[-3000:]
+    assert engine.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"
