@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -42,16 +42,20 @@ class Scraper:
         self.thread.start()
 
     def scrape(self) -> dict[str, list]:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
-                break
-            except httpx.ConnectError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        text = metrics_text(self.port, seconds=10)
         return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def metrics_text(port: int, seconds: float, alive: Callable[[], bool] = lambda: True) -> str:
+    """/metrics on 127.0.0.1:port once it answers (within `seconds`, while `alive()`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.TransportError:
+            assert alive(), "the exporter exited"
+            assert time.monotonic() < deadline, "the exporter never answered"
+            time.sleep(0.05)
 
 
 @pytest.fixture()
@@ -243,15 +247,7 @@ def test_without_a_config_the_exporter_serves_gpu_series_and_says_the_engine_is_
                                 "--host", "127.0.0.1", "--port", str(port)],
                                stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-                break
-            except httpx.TransportError:
-                assert process.poll() is None, process.stderr.read()
-                assert time.monotonic() < deadline, "the exporter never answered"
-                time.sleep(0.2)
+        text = metrics_text(port, seconds=30, alive=lambda: process.poll() is None)
     finally:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)
