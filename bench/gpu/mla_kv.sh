@@ -35,7 +35,10 @@ for case in "$@"; do
     until grep -q "GPU KV cache size" "$logfile" || ! kill -0 "$pid" 2>/dev/null \
         || (( $(date +%s) - start > WAIT )); do sleep 3; done
     sleep 2
+    # The engine core may be capturing CUDA graphs and not heed SIGTERM: a grace period, then SIGKILL.
     kill -- -"$pid" 2>/dev/null || true
+    for _ in $(seq 15); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -"$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
     "$PYTHON" - "$plan" "$logfile" "$OUT/mla-kv/$case.json" "$case" <<'PY'
 import json, re, sys

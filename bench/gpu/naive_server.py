@@ -69,6 +69,14 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
         self.lock = threading.Lock()
+        # The most requests the server held at once (one generating, the rest waiting): /health reports it.
+        self.in_flight = self.peak_in_flight = 0
+        self._count_lock = threading.Lock()
+
+    def count(self, change: int) -> None:
+        with self._count_lock:
+            self.in_flight += change
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def prompt_ids(self, body: dict[str, Any]) -> torch.Tensor:
         messages = body.get("messages")
@@ -118,7 +126,7 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._json(200, {"status": "ok"})
+                self._json(200, {"status": "ok", "peak_in_flight": engine.peak_in_flight})
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [
                     {"id": engine.served_name, "object": "model", "root": engine.model_dir, "owned_by": "naive"}]})
@@ -135,8 +143,12 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             except (ValueError, TypeError) as exc:
                 self._json(400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
                 return
-            with engine.lock:
-                self._serve(body, ids)
+            engine.count(+1)
+            try:
+                with engine.lock:
+                    self._serve(body, ids)
+            finally:
+                engine.count(-1)
 
         def _serve(self, body: dict[str, Any], ids: torch.Tensor) -> None:
             rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -185,6 +185,18 @@ def test_every_dashboard_expression_runs_on_prometheus(prom):
         _api(prom, "query", query=expr)
 
 
+def test_the_engine_runs_vllms_default_compiled_path(converge, engine):
+    """Without --enforce-eager the CPU engine compiles with torch.compile (g++ from the runtime stage); a
+    host without a C++ compiler died here at its first start."""
+    plan = json.loads(engine.ssh("cat /run/kimi-service/plan.json").stdout)
+    assert "--enforce-eager" not in plan["argv"], plan["argv"]
+    journal = engine.ssh("journalctl -u kimi-vllm --no-pager -o cat").stdout
+    # An engine that finds an earlier start's compiled artefacts (a host from the cached runtime layer) loads them.
+    compiled = r"Starting torch\.compile|Compiling a graph|Directly load (the compiled graph|AOT compilation)"
+    assert re.search(compiled, journal), journal[-3000:]
+    assert engine.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"
+
+
 def test_a_healthy_host_fires_nothing_and_a_stopped_engine_alerts(prom, engine):
     """Last in this module: it stops the engine."""
     firing = [alert for alert in _api(prom, "alerts")["alerts"] if alert["state"] == "firing"]
@@ -197,13 +209,3 @@ def test_a_healthy_host_fires_nothing_and_a_stopped_engine_alerts(prom, engine):
         assert alerts[0]["state"] in {"pending", "firing"}
         assert "systemctl status kimi-vllm" in alerts[0]["annotations"]["description"]
     _eventually(engine_down_alert, timeout=90)
-
-
-def test_the_engine_runs_vllms_default_compiled_path(converge, engine):
-    """Without --enforce-eager the CPU engine compiles with torch.compile (g++ from the runtime stage); a
-    host without a C++ compiler died here at its first start."""
-    plan = json.loads(engine.ssh("cat /run/kimi-service/plan.json").stdout)
-    assert "--enforce-eager" not in plan["argv"], plan["argv"]
-    journal = engine.ssh("journalctl -u kimi-vllm --no-pager -o cat").stdout
-    assert re.search(r"Compiling a graph|Directly load the compiled graph", journal), journal[-3000:]
-    assert engine.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"

@@ -110,5 +110,5 @@ def test_bench_drives_the_naive_server_one_request_at_a_time(python: str, naive_
         assert level["errors"] == 0
         assert level["output_tokens"] == 8 * level["requests"]  # ignore_eos honoured exactly
         assert level["prompt_tokens"] >= 32 * level["requests"]
-    # One lock: at concurrency 4 the last request waits for three whole generations before its first token.
-    assert levels[4]["ttft_s"]["p99"] > 2 * levels[1]["e2e_s"]["p50"]
+    # At concurrency 4 the bench's requests overlapped in the server (its one lock serves them in turn).
+    assert httpx.get(f"{naive_url}/health", timeout=5).json()["peak_in_flight"] >= 2
