@@ -72,6 +72,9 @@ class ModelSpec:
     # The routed experts' share of weight_bytes: what expert parallelism shards over its ranks (the
     # attention, dense layers, shared experts, router and embeddings are replicated on every DP rank).
     expert_bytes: int = 0
+    # MLA's per-head query/key and value widths: what the attention's prefill activations scale with.
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @property
     def weights_estimated(self) -> bool:
@@ -308,6 +311,8 @@ def spec_from_config(
         dual_chunk_attention=geometry.dual_chunk(text),
         notes=tuple(notes),
         expert_bytes=expert_bytes,
+        qk_nope_head_dim=int(text["qk_nope_head_dim"]) if mla else None,
+        v_head_dim=int(text["v_head_dim"]) if mla else None,
     )
 
 

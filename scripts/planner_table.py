@@ -9,6 +9,7 @@ kimi_service, whichever checkout the virtual environment was installed from.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def _scale_row(spec: ModelSpec, label: str, gpus: str, nodes: int, flags: list[s
     try:
         result = plan(spec, parse_gpu_spec(gpus), nodes=nodes, overrides=flags)
     except DoesNotFit as error:
-        return f"| {label} | {' '.join(flags)} | no: {str(error).splitlines()[0][:160]} | | | | | | |"
+        return _refused_scale_row(label, flags, str(error))
     assert result.budget is not None
     picked = (result.parallelism, result.kv_cache_dtype) == (chosen.parallelism, chosen.kv_cache_dtype)
     return (
@@ -105,6 +106,19 @@ def _scale_row(spec: ModelSpec, label: str, gpus: str, nodes: int, flags: list[s
         f"{result.kv_cache_tokens:,} | {result.max_model_len // 1024}K | {result.max_concurrency} | "
         f"{'yes' if picked else ''} |"
     )
+
+
+def _refused_scale_row(label: str, flags: list[str], message: str) -> str:
+    """The row of a layout that does not fit: its weights per GPU and the KV space left, from the refusal."""
+    ranks = int(flags[flags.index("--data-parallel-size") + 1])
+    dtype = "bf16" if flags[-1] == "auto" else flags[-1]
+    found = re.search(r"needs ([\d.,]+ GiB) of weights per rank.*?leaves ([\d.,]+ GiB) of the ([\d.,]+ GiB)",
+                      message)
+    if not found:
+        return f"| {label} | DP {ranks} x EP {ranks} | {dtype} | does not fit: {message.splitlines()[0][:120]} | | | | | |"
+    weights, left, usable = found.groups()
+    return (f"| {label} | DP {ranks} x EP {ranks} | {dtype} | {weights} | does not fit: {left} of {usable} left "
+            "after the reserve | - | - | - | |")
 
 
 def _head(leading: tuple[str, ...], rentals: tuple[tuple[str, str, object], ...]) -> list[str]:

@@ -2,20 +2,22 @@
 """The MLA + MoE shape of the KV calibration (bench/gpu/mla_kv.sh): a DeepSeek-V3 config.json, and the
 planner's view of it.
 
-`config DIR` writes DIR/config.json: DeepSeek-V3's published widths (hidden 7168, 128 heads, q_lora_rank
+`config DIR [LAYERS]` writes DIR/config.json: DeepSeek-V3's published widths (hidden 7168, 128 heads, q_lora_rank
 1536, kv_lora_rank 512, qk_rope_head_dim 64, moe_intermediate_size 2048, 8 experts per token, one shared
-expert, vocab 129,280) with 8 layers (the first dense) and 32 routed experts, BF16, vLLM's native
+expert, vocab 129,280) with 8 layers (or LAYERS; the first dense) and 32 routed experts, BF16, vLLM's native
 DeepseekV3ForCausalLM (no remote code). No weight files: vLLM runs it with `--load-format dummy`
 (random weights made on the GPU), and the planner estimates the weights from the config, as vLLM holds
 them in BF16.
 
-`plan DIR OUT.json [FLAG VALUE ...]` writes the chat plan for one H200 (argv, kv_cache_tokens, budget)
-with the given operator flags.
+`plan DIR OUT.json [FLAG VALUE ...]` writes the chat plan (argv, kv_cache_tokens, budget) with the given
+operator flags for one GPU of this machine as NVML reports it (H200 or H100 on the device machine), or for
+the GPU spec in $GPU (e.g. `GPU=H200:1`) where there is none.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -64,13 +66,16 @@ def main() -> None:
     command, directory = sys.argv[1], Path(sys.argv[2])
     if command == "config":
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+        layers = int(sys.argv[3]) if len(sys.argv) > 3 else CONFIG["num_hidden_layers"]
+        config = {**CONFIG, "num_hidden_layers": layers}
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return
-    from kimi_service.hardware import parse_gpu_spec
+    from kimi_service.hardware import discover_gpus, parse_gpu_spec
     from kimi_service.model import inspect_model
     from kimi_service.planner import plan
 
-    result = plan(inspect_model(str(directory)), parse_gpu_spec("H200:1"), overrides=sys.argv[4:],
+    gpus = parse_gpu_spec(os.environ["GPU"]) if os.environ.get("GPU") else discover_gpus().with_count(1)
+    result = plan(inspect_model(str(directory)), gpus, overrides=sys.argv[4:],
                   model_path=str(directory), served_model_name="mla")
     Path(sys.argv[3]).write_text(json.dumps(result.to_json(), indent=2) + "\n")
 

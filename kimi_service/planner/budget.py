@@ -21,12 +21,15 @@ CUDA_GRAPH_PER_LAYER_BYTES = 8 * 2**20
 ENCODER_BYTES = GIB  # a replicated vision encoder (--mm-encoder-tp-mode data) and its profiling
 DRAFT_BYTES = 2 * GIB  # an EAGLE3 draft head is one layer plus its own KV
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default max_num_batched_tokens for the OpenAI server
-# MLA + MoE engines hold more outside weights and KV than the Llama-calibrated terms below count: the MLA
-# backends' prefill workspace and full CUDA graphs, the fused-MoE kernels' buffers. Calibrated on the H200
-# (vLLM 0.21.0, DeepSeek-V3 architecture, kv_lora_rank 512, rope 64, 32 routed experts, 8 layers): without
-# it the planner said 14,277,488 KV tokens where vLLM allocated 14,091,008 (+1.3%); with it, 14,044,480
-# (-0.33%). The measured model's widths were not recorded, so this is a fixed amount, not one that scales.
-MLA_RESERVE_BYTES = 2 * GIB
+# MLA + MoE engines hold more outside weights and KV than the Llama-calibrated terms count: the MLA
+# backends' prefill workspace and the fused-MoE kernels' buffers (MLA_RESERVE_BYTES), and their full and
+# piecewise CUDA graphs (MLA_CUDA_GRAPH_BYTES, only when graphs are captured; vLLM measured 4.05 GiB of graphs
+# in all). Calibrated with the activation term below on vLLM 0.21.0 and the DeepSeek-V3 shape of
+# bench/gpu/mla_model.py (8 layers, 32 routed experts) against vLLM's `GPU KV cache size`, on an H200 and an
+# H100, each with the chat plan, --enforce-eager, and --max-num-batched-tokens 16384 --max-num-seqs 512:
+# -0.19% ... -1.33%, never above (docs/benchmarks.md).
+MLA_RESERVE_BYTES = 4 * GIB
+MLA_CUDA_GRAPH_BYTES = int(3.7 * GIB)
 # Expert parallelism over data-parallel ranks: the all-to-all dispatch/combine buffers (not measured: the
 # H200 test machine has one GPU), on top of the NCCL buffers every multi-GPU group has.
 EP_COMM_BYTES = GIB // 2
@@ -111,6 +114,25 @@ def weights_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:
     return min(weights, math.ceil(model.weight_bytes / tp))
 
 
+def activation_bytes_per_token(model: ModelSpec, tensor_parallel: int) -> int:
+    """Peak activation bytes per batched token on one TP rank during vLLM's profiling run.
+
+    Hidden states (four copies of the hidden width) and the MLP: a dense layer's gate, up and down slices,
+    or a MoE layer's per-expert slices for each of the experts a token is routed to, plus the routed copy of
+    the token. MLA adds each head's decompressed query and key (nope + rope each).
+    """
+    tp = tensor_parallel
+    values = 4 * model.hidden_size
+    if model.is_moe and model.moe_intermediate_size and model.experts_per_token:
+        values += model.experts_per_token * (3 * model.moe_intermediate_size // tp + model.hidden_size)
+    else:
+        values += 3 * model.intermediate_size // tp
+    if model.attention == "mla" and model.qk_nope_head_dim and model.v_head_dim and model.qk_rope_head_dim:
+        heads = max(1, model.num_attention_heads // tp)
+        values += heads * 2 * (model.qk_nope_head_dim + model.qk_rope_head_dim)
+    return values * 2
+
+
 def memory_budget(model: ModelSpec, gpus: GpuInventory, parallel: Parallelism, knobs: Knobs) -> MemoryBudget:
     tp, pp = parallel.tensor, parallel.pipeline
     total = gpus.memory_bytes
@@ -118,17 +140,18 @@ def memory_budget(model: ModelSpec, gpus: GpuInventory, parallel: Parallelism, k
     weights = weights_per_gpu(model, parallel)
     tokens = knobs.batched_tokens or DEFAULT_BATCHED_TOKENS
     seqs = knobs.max_num_seqs or (1024 if total >= 70 * GIB and gpus.compute_capability >= (9, 0) else 256)
-    mlp_width = (model.moe_intermediate_size or model.intermediate_size) * (model.experts_per_token or 1)
-    # Profiling runs one batch of max_num_batched_tokens: hidden states, this rank's MLP slice, and
-    # float32 logits for up to max_num_seqs sequences.
-    activation = tokens * (4 * model.hidden_size + 3 * mlp_width // tp) * 2 + seqs * model.vocab_size * 4
+    # Profiling runs one batch of max_num_batched_tokens: its activations, and float32 logits for up to
+    # max_num_seqs sequences.
+    activation = tokens * activation_bytes_per_token(model, tp) + seqs * model.vocab_size * 4
     if parallel.data > 1:
         # The MoE layers gather every DP rank's batch (dispatch) and scatter the results back (combine).
         activation += tokens * parallel.data * model.hidden_size * 2 * 2
     graphs = (
         0
         if knobs.enforce_eager
-        else CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_PER_LAYER_BYTES * math.ceil(model.num_layers / pp)
+        else CUDA_GRAPH_BASE_BYTES
+        + CUDA_GRAPH_PER_LAYER_BYTES * math.ceil(model.num_layers / pp)
+        + (MLA_CUDA_GRAPH_BYTES if model.attention == "mla" else 0)
     )
     comm = (COMM_BYTES if parallel.gpus > 1 else 0) + (EP_COMM_BYTES if parallel.data > 1 else 0)
     extra = (

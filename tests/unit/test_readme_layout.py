@@ -7,7 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # What tools and runs leave behind, not part of the project.
-NOT_OURS = re.compile(r"^(\.git|\.venv|\.hypothesis|\.pytest_cache|\.ruff_cache|\.ansible|__pycache__|build|dist)$|"
+NOT_OURS = re.compile(r"^(\.git|\.venv|\.hypothesis|\.pytest_cache|\.ruff_cache|\.ansible|__pycache__|build|dist|"
+                      r"\.device|\.demo|\.whl|bench-results)$|"
                       r"\.egg-info$")
 
 

@@ -57,7 +57,8 @@ def test_every_planned_flag_is_a_vllm_serve_option(spec):
 def test_the_dp_ep_plan_and_both_cluster_launches_use_only_vllm_options():
     kimi = spec_from_catalog(catalog.get("moonshotai/Kimi-K2.5"))
     emitted = set()
-    for result, local in ((plan(kimi, parse_gpu_spec("H100-SXM:8"), nodes=2), 8),
+    for result, local in ((plan(kimi, parse_gpu_spec("H200:8"), nodes=2,
+                                          overrides=["--data-parallel-size", "16"]), 8),
                           (plan(kimi, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2, workload="latency"), 0)):
         for rank in (0, 1):
             cluster = parse_config({"model": {"path": "/m"}, "cluster": {
