@@ -114,11 +114,11 @@ def _refused_scale_row(label: str, flags: list[str], message: str) -> str:
     dtype = "bf16" if flags[-1] == "auto" else flags[-1]
     found = re.search(r"needs ([\d.,]+ GiB) of weights per rank.*?leaves ([\d.,]+ GiB) of the ([\d.,]+ GiB)",
                       message)
+    layout = f"| {label} | DP {ranks} x EP {ranks} | {dtype} |"
     if not found:
-        return f"| {label} | DP {ranks} x EP {ranks} | {dtype} | does not fit: {message.splitlines()[0][:120]} | | | | | |"
+        return f"{layout} does not fit: {message.splitlines()[0][:120]} | | | | | |"
     weights, left, usable = found.groups()
-    return (f"| {label} | DP {ranks} x EP {ranks} | {dtype} | {weights} | does not fit: {left} of {usable} left "
-            "after the reserve | - | - | - | |")
+    return f"{layout} {weights} | does not fit: {left} of {usable} left after the reserve | - | - | - | |"
 
 
 def _head(leading: tuple[str, ...], rentals: tuple[tuple[str, str, object], ...]) -> list[str]:
