@@ -72,9 +72,8 @@ class ModelSpec:
     # The routed experts' share of weight_bytes: what expert parallelism shards over its ranks (the
     # attention, dense layers, shared experts, router and embeddings are replicated on every DP rank).
     expert_bytes: int = 0
-    # MLA's per-head query/key and value widths: what the attention's prefill activations scale with.
+    # MLA's per-head query/key width besides rope: what the attention's prefill activations scale with.
     qk_nope_head_dim: int | None = None
-    v_head_dim: int | None = None
 
     @property
     def weights_estimated(self) -> bool:
@@ -312,7 +311,6 @@ def spec_from_config(
         notes=tuple(notes),
         expert_bytes=expert_bytes,
         qk_nope_head_dim=int(text["qk_nope_head_dim"]) if mla else None,
-        v_head_dim=int(text["v_head_dim"]) if mla else None,
     )
 
 

@@ -127,7 +127,7 @@ def activation_bytes_per_token(model: ModelSpec, tensor_parallel: int) -> int:
         values += model.experts_per_token * (3 * model.moe_intermediate_size // tp + model.hidden_size)
     else:
         values += 3 * model.intermediate_size // tp
-    if model.attention == "mla" and model.qk_nope_head_dim and model.v_head_dim and model.qk_rope_head_dim:
+    if model.attention == "mla" and model.qk_nope_head_dim and model.qk_rope_head_dim:
         heads = max(1, model.num_attention_heads // tp)
         values += heads * 2 * (model.qk_nope_head_dim + model.qk_rope_head_dim)
     return values * 2
