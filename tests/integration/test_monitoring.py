@@ -53,6 +53,7 @@ def deployment(make_hosts, tmp_path_factory) -> Iterator[Deployment]:
     engine, monitor = make_hosts(2, runtime_layer(), bare={1})
     with HubServer(root=ensure_tiny_model(), repo=REPO, host=gateway(engine)) as hub:
         site_vars = cpu_site_vars(hub.url, gateway(engine))
+        del site_vars["kimi_api_trusted_cidrs"]  # the default: Prometheus's host reads /health and /metrics
         inventory = write_inventory(
             tmp_path_factory.mktemp("monitoring") / "hosts.yml", [engine], groups={"kimi_monitoring": [monitor]},
             extra_vars={
@@ -60,6 +61,8 @@ def deployment(make_hosts, tmp_path_factory) -> Iterator[Deployment]:
                 # The product's default engine path: compiled, not --enforce-eager.
                 "kimi_vllm_extra_args": COMPILED_ENGINE_ARGS,
                 "kimi_firewall_allowed_cidrs": [*site_vars["kimi_firewall_allowed_cidrs"], f"{monitor.address}/32"],
+                # The test reads Prometheus's API from the controller; its default address is loopback.
+                "kimi_prometheus_listen_address": "0.0.0.0:9090",
                 **INTERVALS,
             },
         )
@@ -132,10 +135,12 @@ def test_monitoring_playbook_converges_and_a_rerun_changes_nothing(converge, inv
     assert (render_dir / "prometheus.yml").read_text() == monitor.ssh("cat /etc/prometheus/prometheus.yml").stdout
 
 
-def test_vllm_metrics_answer_without_the_api_key(converge, engine):
-    """Why the scrape config sends no bearer token by default: with --api-key set, vLLM guards /v1 only."""
-    metrics = httpx.get(f"http://{engine.address}:8000/metrics", timeout=10)
-    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+def test_vllm_metrics_answer_prometheus_without_the_key_and_no_one_else(converge, engine, monitor):
+    """Why the scrape config sends no bearer token by default: /metrics answers the monitoring hosts (and the
+    host itself) without it, and no other address at all."""
+    metrics = monitor.ssh(f"curl -sS -m 10 http://{engine.address}:8000/metrics").stdout
+    assert "vllm:num_requests_running" in metrics
+    assert httpx.get(f"http://{engine.address}:8000/metrics", timeout=10).status_code == 404
     assert httpx.get(f"http://{engine.address}:8000/v1/models", timeout=10).status_code == 401
 
 

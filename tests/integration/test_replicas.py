@@ -8,6 +8,7 @@ stopped and while a broken upgrade rolls back: the balancer must hide both, so t
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -66,11 +67,13 @@ def replica_host_vars(replicas):
 
 @pytest.fixture(scope="module")
 def inventory(balancer, replicas, replica_host_vars, hub, tmp_path_factory):
+    site_vars = cpu_site_vars(hub.url, gateway(balancer))
+    del site_vars["kimi_api_trusted_cidrs"]  # the default: the balancer alone reads /health and /metrics
     return write_inventory(
         tmp_path_factory.mktemp("replicas") / "hosts.yml", replicas,
         groups={"kimi_replicas": replicas, "kimi_balancer": [balancer]},
         extra_vars={
-            **cpu_site_vars(hub.url, gateway(balancer)),
+            **site_vars,
             "kimi_balancer_port": BALANCER_PORT,
             # Download once, copy host to host (the weights role's fan-out).
             "kimi_model_fanout": True,
@@ -203,6 +206,48 @@ def test_only_the_balancer_reaches_a_replicas_api(converge, replicas):
     for port in (8000, 8001):
         probe = second.ssh(f"curl -sS -m 3 -o /dev/null http://{first.address}:{port}/", check=False)
         assert probe.returncode != 0, f"a replica's port {port} must be closed to hosts that are not the balancer"
+
+
+def _engine_routes(replica) -> dict[str, list[str]]:
+    """vLLM's route table as the installed engine publishes it (its OpenAI schema, read on the host), plus
+    the mounts and documentation routes the schema leaves out."""
+    schema = json.loads(replica.ssh("curl -sS -m 10 http://127.0.0.1:8000/openapi.json").stdout)
+    routes = {path: sorted(method.upper() for method in methods) for path, methods in schema["paths"].items()}
+    for path in ("/metrics", "/openapi.json", "/docs", "/redoc"):
+        routes.setdefault(path, ["GET"])
+    return routes
+
+
+def test_every_engine_route_but_the_openai_api_is_closed_to_other_hosts(converge, balancer, replicas, endpoint):
+    replica = replicas[0]
+    routes = _engine_routes(replica)
+    assert "/invocations" in routes and "/v1/chat/completions" in routes, sorted(routes)
+    answers: dict[tuple[str, str], int] = {}
+    with httpx.Client(base_url=f"http://{replica.address}:8000", timeout=30) as client:
+        for path, methods in routes.items():
+            url = re.sub(r"\{[^}]+\}", "x", path)
+            for method in methods:
+                answers[method, path] = client.request(method, url, json={}).status_code
+                if not path.startswith("/v1/"):
+                    keyed = client.request(method, url, json={}, headers={"Authorization": f"Bearer {API_KEY}"})
+                    answers[method, f"{path} (with the key)"] = keyed.status_code
+    wrong = {f"{method} {path}": status for (method, path), status in answers.items()
+             if status != (401 if path.startswith("/v1/") else 404)}
+    assert wrong == {}, f"from the controller, /v1/ must want the key and the rest be absent: {wrong}"
+    # The balancer (a trusted address) reads /health and /metrics, and nothing else outside /v1/.
+    def from_balancer(path: str) -> str:
+        return balancer.ssh(f"curl -s -o /dev/null -w '%{{http_code}}' -m 10 -X POST "
+                            f"http://{replica.address}:8000{path}", check=False).stdout
+    assert balancer.ssh(f"curl -s -o /dev/null -w '%{{http_code}}' -m 10 http://{replica.address}:8000/health"
+                        ).stdout == "200"
+    assert "vllm:" in balancer.ssh(f"curl -sS -m 10 http://{replica.address}:8000/metrics").stdout
+    assert {path: from_balancer(path) for path in ("/invocations", "/tokenize")} == {
+        "/invocations": "404", "/tokenize": "404"}
+    # Through the balancer, clients get the OpenAI API only (the replicas would trust its address).
+    for path in ("/health", "/metrics", "/invocations"):
+        assert httpx.get(f"{endpoint.removesuffix('/v1')}{path}", timeout=10).status_code == 404, path
+    models = httpx.get(f"{endpoint}/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert models.status_code == 200, models.text
 
 
 def test_the_balancer_checks_readiness_not_vllms_health(converge, balancer, replicas):

@@ -1,5 +1,5 @@
 """The whole product on a fresh systemd host: site.yml with the real CPU engine, then systemctl, faults,
-a reboot, bad input and secrets.
+a reboot, bad input and secrets. No kimi_api_key is given: the play makes one, as it does for an operator.
 
 The host lives in a network namespace of its own (the firewall is on, allowing the controller); the
 weights come from the local hub server on the bridge's gateway, the engine from the offline
@@ -18,7 +18,7 @@ import testinfra
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import _ssh_keypair, write_inventory
-from tests.support.cpu_site import API_KEY, HF_TOKEN, REPO, SERVED, cpu_site_vars, stream_chat
+from tests.support.cpu_site import HF_TOKEN, REPO, SERVED, cpu_site_vars, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
@@ -44,7 +44,9 @@ def hub(gateway):
 
 @pytest.fixture(scope="module")
 def site_vars(hub, gateway) -> dict:
-    return {**cpu_site_vars(hub.url, gateway), "kimi_vllm_watchdog_sec": WATCHDOG_SEC}
+    given = cpu_site_vars(hub.url, gateway)
+    del given["kimi_api_key"]  # the default: the play makes a key on the controller
+    return {**given, "kimi_vllm_watchdog_sec": WATCHDOG_SEC}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,15 @@ def first_converge(inventory):
     run = ansible_playbook("site.yml", inventory)
     print(f"\nfirst converge of site.yml: {time.monotonic() - started:.0f} s")
     return run
+
+
+@pytest.fixture(scope="module")
+def api_key(first_converge, inventory) -> str:
+    """The key the play made: next to the inventory, 0600, reused by every later run."""
+    path = inventory.parent / "credentials" / "kimi-api-key"
+    assert path.is_file(), f"no key was made in {path}\n{first_converge}"
+    assert path.stat().st_mode & 0o777 == 0o600
+    return path.read_text().strip()
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +98,11 @@ def _wait_serving(host, api: str, old_main_pid: int, timeout: float = 300) -> No
     raise AssertionError(f"kimi-vllm did not come back within {timeout:.0f} s\n{journal}")
 
 
-def test_site_converges(first_converge, host):
+def test_site_converges(first_converge, host, inventory, api_key):
     assert first_converge.returncode == 0, str(first_converge)
     assert re.search(r"endpoint: +http://\S+:8000/v1", first_converge.output), "verify prints the endpoint"
+    assert f"key in {inventory.parent}/credentials/kimi-api-key on the controller" in first_converge.said
+    assert len(api_key) >= 40 and api_key not in first_converge.output
     assert host.ssh("systemctl is-active kimi-vllm kimi-exporter kimi-health.timer kimi-firewall").stdout.split() == [
         "active"] * 4
 
@@ -109,9 +122,13 @@ def test_check_mode_reports_nothing_to_change(first_converge, inventory):
     assert check.changed == 0, f"--check would change: {check.changed_tasks()}\n{check}"
 
 
-def test_openai_client_streams_with_the_key_and_is_refused_without(first_converge, api):
-    assert stream_chat(api)
+def test_openai_client_streams_with_the_made_key_and_is_refused_without(first_converge, api, api_key):
+    assert stream_chat(api, api_key)
     assert httpx.get(f"{api}/v1/models", timeout=10).status_code == 401
+    # The engine's routes outside the OpenAI API answer only the host, whatever the key.
+    refused = httpx.post(f"{api}/invocations", json={"prompt": "Hi", "max_tokens": 1}, timeout=10,
+                         headers={"Authorization": f"Bearer {api_key}"})
+    assert refused.status_code == 404, refused.text
     wrong = openai.OpenAI(base_url=f"{api}/v1", api_key="sk-wrong")
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
@@ -188,11 +205,11 @@ def test_model_that_does_not_fit_stops_in_preflight(first_converge, inventory):
     assert run.changed == 0
 
 
-def test_secrets_never_leak(first_converge, host, inventory):
+def test_secrets_never_leak(first_converge, host, inventory, api_key):
     # Reverify makes the fetch (which carries the hub token) run again, under -vvv.
     verbose = ansible_playbook("site.yml", inventory, "-vvv", extra_vars={"kimi_model_reverify": True})
     assert verbose.returncode == 0, str(verbose)
-    for secret in (API_KEY, HF_TOKEN):
+    for secret in (api_key, HF_TOKEN):
         assert secret not in verbose.output, f"{secret} in the -vvv play output"
         assert secret not in host.ssh("journalctl --no-pager -o cat").stdout, f"{secret} in the journal"
         cmdlines = host.ssh("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '", check=False).stdout
@@ -264,7 +281,7 @@ def test_upgrade_with_nothing_new_passes_the_health_gate_and_restarts_nothing(fi
     assert _main_pid(host) == before
 
 
-def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inventory, site_vars, api):
+def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inventory, site_vars, api, api_key):
     venv = host.ssh("readlink /opt/kimi-service/venv").stdout.strip()
     config = host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0]
     broken = {"kimi_vllm_extra_args": [*site_vars["kimi_vllm_extra_args"], "--no-such-vllm-flag"]}
@@ -276,7 +293,7 @@ def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inve
     assert host.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
     assert host.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
     assert host.ssh("systemctl is-active kimi-vllm").stdout.strip() == "active"
-    client = openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY)
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key=api_key)
     reply = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert reply.choices[0].message is not None
 

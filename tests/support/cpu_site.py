@@ -51,6 +51,8 @@ def cpu_site_vars(hub_url: str, controller: str) -> dict:
         # Test-only: each pytest worker's engines on a core of their own (see engine_core).
         "kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()},
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
+        # The controller reads the engine's /health and /metrics, as a monitoring host would.
+        "kimi_api_trusted_cidrs": [controller],
     }
 
 
@@ -84,11 +86,11 @@ def converge_site(inventory: Path, what: str) -> PlaybookRun:
     return run
 
 
-def stream_chat(api: str) -> list[str]:
+def stream_chat(api: str, key: str = API_KEY) -> list[str]:
     """The text pieces of one streamed chat completion with the API key (the OpenAI client, as users call it)."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY)
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key=key)
     stream = client.chat.completions.create(
         model=SERVED, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True,
     )

@@ -1,8 +1,9 @@
-"""Render the systemd unit templates of roles/vllm_service and roles/gpu_exporter with plain jinja2,
-as Ansible would.
+"""Render the systemd unit templates of roles/vllm_service, roles/gpu_exporter and roles/firewall with
+plain jinja2, as Ansible would, and the command line of model_weights' transient fan-out unit.
 
 Ansible's own `comment` filter is used, so `{{ ansible_managed | comment }}` renders exactly as in a
-play; the variables are the defaults of kimi_common and the two roles, plus the derived start window.
+play; the variables are the defaults of kimi_common and the roles, plus the derived start window and the
+firewall's rules file.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ ROLE_OF_UNIT = {
     "kimi-exporter.service": "gpu_exporter",
     "kimi-health.service": "gpu_exporter",
     "kimi-health.timer": "gpu_exporter",
+    "kimi-firewall.service": "firewall",
 }
 UNITS = tuple(ROLE_OF_UNIT)
 
@@ -39,6 +41,7 @@ def variables(install_dir: Path, **extra: object) -> dict[str, object]:
         "ansible_managed": "Managed by Ansible: do not edit",
         "kimi_install_dir": str(install_dir),
         "_vllm_service_model_bytes": 0,
+        "_firewall_rules_file": _firewall_rules_file(),
         **extra,
     } | {"_vllm_service_start_timeout": start_timeout(int(extra.get("_vllm_service_model_bytes", 0)))}
     return values | {"_vllm_service_stop_window": _role_var("_vllm_service_stop_window", values)}
@@ -48,6 +51,23 @@ def _role_var(name: str, values: dict[str, object]) -> int:
     """A derived value of vllm_service's vars/main.yml, evaluated as Ansible would."""
     role_vars = yaml.safe_load((REPO / "roles" / "vllm_service" / "vars" / "main.yml").read_text())
     return int(jinja2.Environment().from_string(role_vars[name]).render(values))
+
+
+def _firewall_rules_file() -> str:
+    """The firewall role's rules file (vars/main.yml), evaluated as Ansible would."""
+    role_vars = yaml.safe_load((REPO / "roles" / "firewall" / "vars" / "main.yml").read_text())
+    return jinja2.Environment().from_string(role_vars["_firewall_rules_file"]).render(role_vars)
+
+
+def fanout_argv(**values: object) -> list[str]:
+    """The `systemd-run` command line model_weights starts its fan-out server with (tasks/fanout.yml),
+    rendered from `values` over the defaults of kimi_common and model_weights."""
+    tasks = yaml.safe_load((REPO / "roles" / "model_weights" / "tasks" / "fanout.yml").read_text())
+    block = next(task for task in tasks if "block" in task)["block"]
+    start = next(task for task in block if task["name"] == "Start a temporary HTTP server on the first host")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    known = {**_defaults("kimi_common"), **_defaults("model_weights"), **values}
+    return [env.from_string(arg).render(known) for arg in start["ansible.builtin.command"]["argv"]]
 
 
 def start_timeout(model_bytes: int) -> int:

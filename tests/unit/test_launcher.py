@@ -25,7 +25,8 @@ CONFIG = parse_config({"model": {"path": "/m/tiny"}, "paths": {"state_dir": "/sr
 def test_planned_vllm_serve_becomes_the_module_entry_point_with_a_drain_bound() -> None:
     argv = launcher.engine_argv(["vllm", "serve", "/m/tiny", "--port", "8000"], "/opt/venv/bin/python", 30)
     assert argv == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/tiny",
-                    "--port", "8000", "--shutdown-timeout", "30", "--enable-server-load-tracking"]
+                    "--port", "8000", "--shutdown-timeout", "30", "--enable-server-load-tracking",
+                    "--middleware", "kimi_service.route_gate.RouteGate"]
 
 
 def test_an_explicit_shutdown_timeout_is_kept() -> None:

@@ -22,7 +22,7 @@ def _render(**overrides) -> dict:
                  "vllm_service/vars/main.yml"):
         values.update(loader.load_from_file(str(ROLES / path), trusted_as_template=True))
     values.update(ansible_managed="Ansible managed", _vllm_service_model_bytes=600 * 10**9, inventory_hostname="gpu-1",
-                  groups={"all": ["gpu-1"], "kimi_hosts": ["gpu-1"]})
+                  groups={"all": ["gpu-1"], "kimi_hosts": ["gpu-1"]}, hostvars={})
     values.update(overrides)
     template = trust_as_template((ROLES / "vllm_service/templates/config.yaml.j2").read_text())
     return yaml.safe_load(Templar(loader=loader, variables=values).template(template))
@@ -60,6 +60,15 @@ def test_readiness_port_everywhere_and_a_withdraw_window_only_behind_a_balancer(
     assert parse_config(_render(groups=groups, kimi_vllm_withdraw_sec=20)).serve.withdraw_delay == 20
 
 
+def test_the_balancers_and_prometheus_hosts_may_read_health_and_metrics():
+    assert parse_config(_render()).api.trusted_clients == ()
+    groups = {"kimi_hosts": ["gpu-1"], "kimi_balancer": ["lb"], "kimi_monitoring": ["prom", "named"]}
+    hostvars = {"lb": {"ansible_host": "10.0.0.9"}, "prom": {"ansible_host": "fd00::5"}, "named": {}}
+    trusted = parse_config(_render(groups=groups, hostvars=hostvars)).api.trusted_clients
+    assert trusted == ("10.0.0.9/32", "fd00::5/128")
+    assert parse_config(_render(kimi_api_trusted_cidrs=["10.8.0.0/16"])).api.trusted_clients == ("10.8.0.0/16",)
+
+
 def test_a_reserved_flag_in_extra_args_is_refused_by_the_schema():
     with pytest.raises(ConfigError, match="--api-key"):
         parse_config(_render(kimi_vllm_extra_args=["--api-key", "sk-x"]))
@@ -70,7 +79,7 @@ def test_secrets_file_reads_back_the_key_the_role_wrote(tmp_path, key):
     """`kimi-service health|bench --env-file` parse secrets.env exactly as systemd does for the units."""
     loader = DataLoader()
     template = trust_as_template((ROLES / "vllm_service/templates/secrets.env.j2").read_text())
-    templar = Templar(loader=loader, variables={"ansible_managed": "Ansible managed", "kimi_api_key": key})
+    templar = Templar(loader=loader, variables={"ansible_managed": "Ansible managed", "kimi_api_key_effective": key})
     rendered = templar.template(template, escape_backslashes=False)  # as the template action renders files
     path = tmp_path / "secrets.env"
     path.write_text(rendered)
