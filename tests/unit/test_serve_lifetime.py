@@ -175,7 +175,15 @@ def test_the_engine_dies_when_serve_is_killed(tmp_path: Path) -> None:
 
 
 def _leftover(*argv: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(list(argv), start_new_session=True)
+    """A process group as a dead serve leaves it: running its program, command line and all. Popen returns
+    as the child execs, a moment before the kernel shows the new command line (/proc/PID/cmdline reads
+    empty until then): wait for it, as a leftover found at the next start has long had it."""
+    child = subprocess.Popen(list(argv), start_new_session=True)
+    cmdline = Path(f"/proc/{child.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while not cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return child
 
 
 def test_a_leftover_engine_group_is_killed_at_the_next_start(tmp_path: Path) -> None:
