@@ -82,17 +82,15 @@ def test_kv_capacity_matches_what_vllm_reported_on_the_h200():
 
 # The MLA + MoE shape of bench/gpu/mla_model.py (DeepSeek-V3 widths, 8 layers, 32 routed experts), which
 # vLLM 0.21.0 served on the H200 with random weights (bench/gpu/mla_kv.sh).
-MLA_MOE = spec_from_config(
-    {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
-        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 8, "first_k_dense_replace": 1,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 32,
-        "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "vocab_size": 129280,
-        "max_position_embeddings": 163840,
-    },
-    name="mla-moe", weight_bytes=None, weight_bytes_source="", source="test",
-)
+MLA_MOE_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+    "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 8, "first_k_dense_replace": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 32,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+}
+MLA_MOE = spec_from_config(MLA_MOE_CONFIG, name="mla-moe", weight_bytes=None, weight_bytes_source="", source="test")
 # vLLM's `GPU KV cache size` for that model on one GPU, started with each plan's argv (bench/gpu/mla_kv.sh;
 # the H100's logs are in docs/gpu-validation/h100-2026-12-05-mla-kv/).
 BIG_BATCH = ("--max-num-batched-tokens", "16384", "--max-num-seqs", "512")
@@ -112,6 +110,28 @@ def test_mla_kv_prediction_is_within_two_percent_below_what_vllm_allocated(gpu, 
     assert MLA_MOE.kv_bytes_per_token() == 8 * (512 + 64) * 2
     predicted = plan(MLA_MOE, parse_gpu_spec(gpu), max_model_len=32768, overrides=list(overrides)).kv_cache_tokens
     assert -0.02 <= predicted / MEASURED_MLA_KV_TOKENS[gpu, overrides] - 1 <= 0
+
+
+# The same model at 4 and 16 layers on the H100 (docs/gpu-validation/h100-2026-12-06-mla-layers/): the fixed
+# terms (graphs, reserve) do not grow with depth, so the planner stays the same few hundred MiB under vLLM.
+MEASURED_MLA_KV_TOKENS_BY_DEPTH = {
+    (4, ()): 10_805_392,
+    (4, ("--enforce-eager",)): 11_760_656,
+    (16, ()): 563_936,
+    (16, ("--enforce-eager",)): 803_088,
+}
+
+
+@pytest.mark.parametrize(("layers", "overrides"), list(MEASURED_MLA_KV_TOKENS_BY_DEPTH),
+                         ids=[f"{n}l-{'-'.join(o)[2:] or 'chat'}" for n, o in MEASURED_MLA_KV_TOKENS_BY_DEPTH])
+def test_mla_kv_prediction_holds_from_4_to_16_layers_within_half_a_gib_below_vllm(layers, overrides):
+    config = {**MLA_MOE_CONFIG, "num_hidden_layers": layers}
+    spec = spec_from_config(config, name=f"mla-moe-{layers}l", weight_bytes=None, weight_bytes_source="",
+                            source="test")
+    predicted = plan(spec, parse_gpu_spec("H100-SXM:1"), max_model_len=32768, overrides=list(overrides))
+    under_bytes = (MEASURED_MLA_KV_TOKENS_BY_DEPTH[layers, overrides] - predicted.kv_cache_tokens) \
+        * spec.kv_bytes_per_token()
+    assert 0 <= under_bytes <= 0.5 * 2**30
 
 
 def test_mla_models_reserve_the_mla_engine_memory():
