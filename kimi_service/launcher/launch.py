@@ -53,10 +53,10 @@ def engine_argv(plan_argv: Sequence[str], python: str, drain_seconds: float,
         argv = [python, "-m", API_SERVER_MODULE, "--model", plan_argv[2], *flags]
     if not any(f == "--shutdown-timeout" or f.startswith("--shutdown-timeout=") for f in flags):
         argv += ["--shutdown-timeout", str(int(drain_seconds))]
-    if not (cluster and not cluster.is_leader) and LOAD_TRACKING_FLAG not in flags:
-        # GET /load then counts the requests the API server holds, also those not yet in the engine.
-        argv.append(LOAD_TRACKING_FLAG)
-    if not (cluster and not cluster.is_leader):
+    if not (cluster and not cluster.is_leader):  # this node runs the API server
+        if LOAD_TRACKING_FLAG not in flags:
+            # GET /load then counts the requests the API server holds, also those not yet in the engine.
+            argv.append(LOAD_TRACKING_FLAG)
         argv += ROUTE_GATE
     if cluster:
         argv += cluster_flags(cluster, data_parallel_local)
