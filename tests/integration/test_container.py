@@ -155,10 +155,14 @@ def test_hung_engine_is_restarted_by_serves_own_watchdog(first_converge, pod):
 def test_killed_serve_leaves_no_orphan_engine(first_converge, pod):
     serve = _serve_pid(pod.host)
     engine = _engine_pid(pod.host)
+    # serve starts vLLM in a process group of its own and records it for the next start.
+    group = pod.host.ssh(f"pgrep -g {engine}").stdout.split()
+    assert str(engine) in group and len(group) >= 2, f"the API server and its engine core at least: {group}"
+    assert pod.host.ssh(f"cat {ROOT}/state/run/engine.pgid").stdout.count(str(engine)) == 1
     pod.host.ssh(f"kill -9 {serve}")
     deadline = time.monotonic() + 30
-    while pod.host.ssh(f"test -d /proc/{engine}", check=False).returncode == 0:
-        assert time.monotonic() < deadline, f"vLLM ({engine}) outlived its killed serve ({serve})"
+    while pod.host.ssh(f"pgrep -g {engine}", check=False).returncode == 0:
+        assert time.monotonic() < deadline, f"vLLM's group ({engine}) outlived its killed serve ({serve})"
         time.sleep(1)
     _wait_serving(pod, serve)
     engines = pod.host.ssh("pgrep -f vllm.entrypoints", check=False).stdout.split()

@@ -45,7 +45,7 @@ def inventory(testhost, wheelhouse, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_run(inventory):
-    """The play on the host the layer's install left: it must adopt that venv, not build again."""
+    """The play on the host the layer's install left (its second run): it must adopt that venv, not build again."""
     started = time.monotonic()
     run = ansible_playbook("playbooks/runtime.yml", inventory)
     print(f"runtime play on the installed layer: {time.monotonic() - started:.0f} s")
@@ -74,13 +74,9 @@ def test_offline_install_gives_a_working_vllm(first_run, testhost):
 
 
 def test_second_run_is_a_no_op(first_run, inventory):
-    started = time.monotonic()
-    second = ansible_playbook("playbooks/runtime.yml", inventory)
-    elapsed = time.monotonic() - started
-    print(f"converged runtime rerun: {elapsed:.1f} s")
-    assert second.returncode == 0, str(second)
-    assert second.changed == 0, f"not idempotent: {second.changed_tasks()}\n{second}"
-    assert "Install the pinned engine" not in second.output
+    # The layer's capture was the play's first run on this state; this module's run is its second.
+    assert first_run.returncode == 0, str(first_run)
+    assert first_run.changed == 0, f"not idempotent: {first_run.changed_tasks()}\n{first_run}"
     check = ansible_playbook("playbooks/runtime.yml", inventory, "--check")
     assert check.returncode == 0 and check.changed == 0, str(check)
 
