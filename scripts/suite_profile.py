@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Where a `make test` run spends its time: per module and test (pytest's JUnit XML), per Ansible task
+(ANSIBLE_LOG_PATH), and how busy the machine's CPUs were (/proc/stat samples).
+
+Record a run, then read it:
+
+    python3 scripts/suite_profile.py sample /tmp/stat.log &      # /proc/stat every 10 s until killed
+    ANSIBLE_LOG_PATH=/tmp/ansible.log PYTEST_ADDOPTS=--junitxml=/tmp/junit.xml make test
+    python3 scripts/suite_profile.py report --junit /tmp/junit.xml --ansible-log /tmp/ansible.log \
+        --stat /tmp/stat.log
+
+On the 2-core machine the suite keeps both CPUs about 90% busy, so only less CPU work makes it faster:
+a shorter wait in one test lets the other worker run sooner, but the sum barely moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+_LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) p=(\d+) .*?\| (.*)$")
+_STEP = ("TASK [", "RUNNING HANDLER [", "PLAY [", "PLAY RECAP")
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def junit_times(path: Path) -> tuple[collections.Counter, list[tuple[float, str]]]:
+    """Seconds per test module, and (seconds, test id) per test."""
+    modules: collections.Counter = collections.Counter()
+    tests = []
+    for case in ET.parse(path).iter("testcase"):
+        seconds = float(case.get("time", 0))
+        module = case.get("classname", "").rsplit(".", 1)[-1]
+        modules[module] += seconds
+        tests.append((seconds, f"{module}::{case.get('name')}"))
+    return modules, sorted(tests, reverse=True)
+
+
+def ansible_task_times(path: Path) -> tuple[collections.Counter, collections.Counter, int]:
+    """Seconds and count per task name (each step ends where the same ansible-playbook's next begins),
+    and how many ansible-playbook runs the log holds."""
+    seconds: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    open_step: dict[str, tuple[float, str]] = {}
+    runs = set()
+    for line in path.read_text(errors="replace").splitlines():
+        match = _LOG_LINE.match(line)
+        if not match:
+            continue
+        stamp, pid, text = match.groups()
+        runs.add(pid)
+        if not text.startswith(_STEP):
+            continue
+        now = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if pid in open_step:
+            began, name = open_step.pop(pid)
+            seconds[name] += now - began
+            count[name] += 1
+        if not text.startswith("PLAY RECAP"):
+            open_step[pid] = (now, text.split(" ***", 1)[0].rstrip("* "))
+    return seconds, count, len(runs)
+
+
+def cpu_shares(path: Path) -> dict[str, float]:
+    """Percent of CPU time per /proc/stat field between the first and the last sample."""
+    samples = [line.split()[2:2 + len(_CPU_FIELDS)] for line in path.read_text().splitlines()
+               if len(line.split()) >= 2 + len(_CPU_FIELDS)]
+    if len(samples) < 2:
+        raise SystemExit(f"{path}: fewer than two /proc/stat samples")
+    delta = [int(b) - int(a) for a, b in zip(samples[0], samples[-1], strict=True)]
+    total = sum(delta) or 1
+    shares = {name: 100 * value / total for name, value in zip(_CPU_FIELDS, delta, strict=True)}
+    shares["busy"] = 100 - shares["idle"] - shares["iowait"]
+    return shares
+
+
+def report(args: argparse.Namespace) -> None:
+    if args.junit:
+        modules, tests = junit_times(args.junit)
+        print(f"test time: {sum(modules.values()):.0f} s in {len(tests)} tests\n\n| module | s |\n| --- | ---: |")
+        for module, seconds in modules.most_common(args.top):
+            print(f"| {module} | {seconds:.0f} |")
+        print("\n| test | s |\n| --- | ---: |")
+        for seconds, test in tests[:args.top]:
+            print(f"| {test} | {seconds:.1f} |")
+    if args.ansible_log:
+        seconds, count, runs = ansible_task_times(args.ansible_log)
+        print(f"\nansible: {runs} runs, {sum(count.values())} steps, {sum(seconds.values()):.0f} s"
+              "\n\n| step | s | times |\n| --- | ---: | ---: |")
+        for name, total in seconds.most_common(args.top):
+            print(f"| {name} | {total:.1f} | {count[name]} |")
+    if args.stat:
+        shares = cpu_shares(args.stat)
+        print("\nCPU: " + ", ".join(f"{name} {value:.0f}%" for name, value in shares.items() if value >= 0.5))
+
+
+def sample(out: Path, every: float) -> None:
+    with out.open("a") as log:
+        while True:
+            with open("/proc/stat") as stat:
+                log.write(f"{int(time.time())} {stat.readline()}")
+            log.flush()
+            time.sleep(every)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("sample", help="append a /proc/stat sample to OUT every --every seconds")
+    rec.add_argument("out", type=Path)
+    rec.add_argument("--every", type=float, default=10.0)
+    rep = sub.add_parser("report", help="tables of where the run's time went")
+    rep.add_argument("--junit", type=Path)
+    rep.add_argument("--ansible-log", type=Path)
+    rep.add_argument("--stat", type=Path)
+    rep.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.command == "sample":
+        sample(args.out, args.every)
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
