@@ -10,6 +10,7 @@ installs the CPU engine from the offline wheelhouse.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -158,7 +159,7 @@ def test_killed_serve_leaves_no_orphan_engine(first_converge, pod):
     # serve starts vLLM in a process group of its own and records it for the next start.
     group = pod.host.ssh(f"pgrep -g {engine}").stdout.split()
     assert str(engine) in group and len(group) >= 2, f"the API server and its engine core at least: {group}"
-    assert pod.host.ssh(f"cat {ROOT}/state/run/engine.pgid").stdout.count(str(engine)) == 1
+    assert json.loads(pod.host.ssh(f"cat {ROOT}/state/run/engine.pgid").stdout)["pgid"] == engine
     pod.host.ssh(f"kill -9 {serve}")
     deadline = time.monotonic() + 30
     while pod.host.ssh(f"pgrep -g {engine}", check=False).returncode == 0:

@@ -31,6 +31,8 @@ from tests.support.cpu_site import (
     converge_site,
     cpu_site_vars,
     gateway,
+    journal_cursor,
+    journal_since,
     runtime_layer,
 )
 from tests.support.hub_server import HubServer
@@ -88,15 +90,6 @@ def _engine_pid(host) -> int:
 
 def _status(host) -> str:
     return host.ssh("systemctl show -p StatusText --value kimi-vllm").stdout.strip()
-
-
-def _journal_since(host, cursor: str) -> str:
-    return host.ssh(f"journalctl -u kimi-vllm --no-pager -o cat --after-cursor='{cursor}'", check=False).stdout
-
-
-def _cursor(host) -> str:
-    out = host.ssh("journalctl -u kimi-vllm -n 1 --show-cursor --no-pager", check=False).stdout
-    return re.search(r"-- cursor: (\S+)", out).group(1)
 
 
 def _wait(predicate, timeout: float, what: str, diagnostics=lambda: "") -> None:
@@ -159,7 +152,7 @@ def test_second_run_changes_nothing(converge, inventory, group):
 
 def test_a_dead_follower_fails_the_leader_and_the_group_forms_again(converge, group):
     leader, follower = group
-    cursor, pid = _cursor(leader), _main_pid(leader)
+    cursor, pid = journal_cursor(leader), _main_pid(leader)
     follower.ssh(f"kill -9 {_engine_pid(follower)}")
     # The leader notices through its watch on the follower, or, when a request is in flight, through its
     # engine's own collective to the follower failing first; either way its unit fails and restarts.
@@ -168,11 +161,11 @@ def test_a_dead_follower_fails_the_leader_and_the_group_forms_again(converge, gr
     )
 
     def failed_naming_the_follower() -> bool:
-        journal = _journal_since(leader, cursor)
+        journal = journal_since(leader, cursor)
         return bool(noticed.search(journal)) and "Failed with result 'exit-code'" in journal
 
     _wait(failed_naming_the_follower, 120, "the leader did not fail naming its follower",
-          lambda: _journal_since(leader, cursor))
+          lambda: journal_since(leader, cursor))
     _serving_again(leader, follower, pid)
     assert _complete(leader)
 
@@ -180,12 +173,12 @@ def test_a_dead_follower_fails_the_leader_and_the_group_forms_again(converge, gr
 def test_the_leader_starts_only_once_its_follower_answers(converge, group):
     leader, follower = group
     follower.ssh("systemctl stop kimi-vllm")
-    cursor = _cursor(leader)
+    cursor = journal_cursor(leader)
     started = time.monotonic()
     start = leader.ssh("systemctl restart kimi-vllm", check=False, timeout=JOIN_TIMEOUT + 120)
     assert start.returncode != 0, "the leader must not become ready without its follower"
     assert time.monotonic() - started >= JOIN_TIMEOUT
-    journal = _journal_since(leader, cursor)
+    journal = journal_since(leader, cursor)
     assert "followers not up after" in journal and "node 1" in journal, journal
     assert "starting vLLM" not in journal, "the engine must not start before the follower answers"
     leader.ssh("systemctl stop kimi-vllm")

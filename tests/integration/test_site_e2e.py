@@ -18,7 +18,7 @@ import testinfra
 
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import _ssh_keypair, write_inventory
-from tests.support.cpu_site import HF_TOKEN, REPO, SERVED, cpu_site_vars, stream_chat
+from tests.support.cpu_site import HF_TOKEN, REPO, SERVED, cpu_site_vars, journal_cursor, journal_since, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
@@ -151,10 +151,10 @@ def test_systemctl_start_returns_only_when_serving(first_converge, host, api):
 
 def test_killed_engine_is_restarted_by_systemd(first_converge, host, api):
     main = _main_pid(host)
-    cursor = re.search(r"-- cursor: (\S+)", host.ssh("journalctl -u kimi-vllm -n 0 --show-cursor --no-pager").stdout)[1]
+    cursor = journal_cursor(host)
     host.ssh(f"kill -9 {_engine_pid(host)}")
     _wait_serving(host, api, main)
-    journal = host.ssh(f"journalctl -u kimi-vllm --no-pager -o cat --after-cursor='{cursor}'").stdout
+    journal = journal_since(host, cursor)
     assert "vLLM killed by signal SIGKILL" in journal, journal
     # serve names the signal, exits 128 + 9 without a traceback, and systemd starts it again.
     dying = journal.split("vLLM killed by signal SIGKILL", 1)[1].split("Main process exited", 1)

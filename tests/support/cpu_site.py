@@ -7,6 +7,7 @@ Shared by the tests that run the whole product (one host, replicas behind a load
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def converge_site(inventory: Path, what: str) -> PlaybookRun:
     print(f"\nfirst converge of {what}: {time.monotonic() - started:.0f} s")
     assert run.returncode == 0, str(run)
     return run
+
+
+def journal_cursor(host: TestHost) -> str:
+    """Where kimi-vllm's journal ends now, for `journal_since`."""
+    out = host.ssh("journalctl -u kimi-vllm -n 1 --show-cursor --no-pager", check=False).stdout
+    return re.search(r"-- cursor: (\S+)", out).group(1)
+
+
+def journal_since(host: TestHost, cursor: str) -> str:
+    """kimi-vllm's journal messages after `cursor`."""
+    return host.ssh(f"journalctl -u kimi-vllm --no-pager -o cat --after-cursor='{cursor}'", check=False).stdout
 
 
 def stream_chat(api: str, key: str = API_KEY) -> list[str]:
