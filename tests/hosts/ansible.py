@@ -39,13 +39,17 @@ class PlaybookRun:
 
     def changed_tasks(self) -> list[str]:
         """Names of the tasks that reported a change (for readable idempotence failures)."""
-        tasks, current = [], None
+        return [task for task, status in self.task_statuses() if status == "changed"]
+
+    def task_statuses(self) -> list[tuple[str, str]]:
+        """(task name, status) for each host's result line, in order: ok, changed, skipping, failed, fatal."""
+        results, current = [], None
         for line in self.output.splitlines():
             if line.startswith("TASK ["):
                 current = line[6:].split("]")[0]
-            elif line.startswith("changed:") and current:
-                tasks.append(current)
-        return tasks
+            elif current and (status := line.split(":", 1)[0]) in ("ok", "changed", "skipping", "failed", "fatal"):
+                results.append((current, status))
+        return results
 
     def __str__(self) -> str:
         return f"$ {' '.join(self.argv)}\n(exit {self.returncode})\n{self.output[-20000:]}"
