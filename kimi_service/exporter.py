@@ -55,7 +55,7 @@ DCGM_HELP = {
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": "Whether remapping of rows has failed.",
 }
 # Every series served only while NVML answers, so only on a host with an NVIDIA GPU. Dashboards and alert
-# rules are checked against this list where no GPU is (tests/integration/test_monitoring.py).
+# rules are checked against this list where no GPU is (tests/integration/test_replicas.py).
 GPU_SERIES = frozenset({*DCGM_HELP, "DCGM_FI_DEV_COUNT", "kimi_gpu_scrape_seconds", "kimi_gpu_xid_errors_total"})
 HEALTH_VALUES = {health.OK: 0, health.DEGRADED: 1, health.DOWN: 2}
 PLAN_LABELS = ("model", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len",

@@ -14,22 +14,21 @@ from pathlib import Path
 from tests.support.cpu_site import engine_core
 
 MODULE_SECONDS = {
-    "tests/integration/test_multinode.py": 800,
-    "tests/integration/test_site_e2e.py": 540,
-    "tests/integration/test_container.py": 420,
-    "tests/integration/test_gpu_roles.py": 350,
-    "tests/integration/test_replicas.py": 320,
-    "tests/integration/test_vllm_runtime.py": 240,
-    "tests/integration/test_monitoring.py": 140,
-    "tests/engine/test_serve.py": 90,
-    "tests/integration/test_model_weights.py": 85,
-    "tests/engine/test_container_serve.py": 80,
-    "tests/engine/test_bench.py": 70,
+    "tests/integration/test_multinode.py": 830,
+    "tests/integration/test_site_e2e.py": 760,
+    "tests/integration/test_container.py": 630,
+    "tests/integration/test_replicas.py": 620,
+    "tests/integration/test_vllm_runtime.py": 400,
+    "tests/integration/test_gpu_roles.py": 300,
+    "tests/integration/test_model_weights.py": 110,
+    "tests/engine/test_bench.py": 95,
+    "tests/engine/test_container_serve.py": 66,
+    "tests/engine/test_serve.py": 65,
     "tests/integration/test_testhost_fixture.py": 50,
-    "tests/integration/test_firewall.py": 30,
-    "tests/integration/test_service_units.py": 20,
-    "bench/gpu/tests/test_cpu_end_to_end.py": 15,
+    "tests/integration/test_firewall.py": 35,
     "tests/unit/test_weights_hardening.py": 25,
+    "tests/integration/test_service_units.py": 21,
+    "bench/gpu/tests/test_cpu_end_to_end.py": 21,
 }
 ROOT = Path(__file__).resolve().parent.parent
 # The CPU engines this worker starts on the controller (engine and bench tests) share its core.

@@ -1,6 +1,12 @@
-"""Replicas behind one endpoint: two replicas (groups kimi_hosts and kimi_replicas) and HAProxy on a
-third host (group kimi_balancer), each in a network namespace of its own, converged once by site.yml
-with the real CPU engine. Clients talk to the balancer only.
+"""Replicas behind one endpoint, and the observability pack watching them: two replicas (groups kimi_hosts
+and kimi_replicas), HAProxy on a third host (group kimi_balancer) and Prometheus on a fourth (group
+kimi_monitoring), each in a network namespace of its own. site.yml converges the replicas and the balancer
+once, with the real CPU engine; playbooks/monitoring.yml installs Prometheus from Debian's package (the host
+reaches Debian's mirror through the bridge's NAT) and it scrapes both replicas. Clients talk to the balancer
+only.
+
+The second replica runs vLLM's default compiled path (torch.compile, the C++ compiler the runtime stage
+installs), as a real host does; no test restarts it. The first runs --enforce-eager: the tests restart it.
 
 A client loop of streamed chat completions (no client-side retries) counts errors while a replica is
 stopped and while a broken upgrade rolls back: the balancer must hide both, so the count is zero.
@@ -18,10 +24,13 @@ import httpx
 import openai
 import pytest
 
+from kimi_service.exporter import GPU_SERIES
 from tests.hosts.ansible import ansible_playbook
 from tests.hosts.nspawn import write_inventory
+from tests.support import prometheus
 from tests.support.cpu_site import (
     API_KEY,
+    COMPILED_ENGINE_ARGS,
     REPO,
     SERVED,
     SMALL_ENGINE_ARGS,
@@ -34,13 +43,17 @@ from tests.support.hub_server import HubServer
 from tests.support.tiny_model import ensure_tiny_model
 
 BALANCER_PORT = 8080
+# Short intervals, so a test waits seconds for scrapes and rule evaluations rather than minutes.
+PROMETHEUS_INTERVALS = {"kimi_prometheus_scrape_interval": "5s", "kimi_prometheus_scrape_timeout": "4s",
+                        "kimi_prometheus_evaluation_interval": "5s"}
+RULE_GROUPS = {"kimi-engine", "kimi-gpu-xid", "kimi-gpu-hardware", "kimi-exporter", "kimi-slo"}
 _STATUS_LINE = re.compile(r"^(?P<name>\S+)\s+(?P<state>.+?)\s+in flight (?P<in_flight>\d+)\s+last check (?P<check>\S*)")
 
 
 @pytest.fixture(scope="module")
 def hosts(make_hosts):
-    # The replicas boot with the runtime stage done; the balancer needs no engine.
-    return make_hosts(3, runtime_layer(), bare={0})
+    # The replicas boot with the runtime stage done; the balancer and Prometheus's host need no engine.
+    return make_hosts(4, runtime_layer(), bare={0, 3})
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +63,12 @@ def balancer(hosts):
 
 @pytest.fixture(scope="module")
 def replicas(hosts):
-    return hosts[1:]
+    return hosts[1:3]
+
+
+@pytest.fixture(scope="module")
+def monitor(hosts):
+    return hosts[3]
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +80,30 @@ def hub(balancer):
 @pytest.fixture(scope="module")
 def replica_host_vars(replicas):
     # A replica restarted beside a busy one must not starve on the core they would share.
-    return own_core_each(replicas)
+    host_vars = own_core_each(replicas)
+    # The product's default engine path, not --enforce-eager, on the replica no test restarts.
+    host_vars[replicas[1].name]["kimi_vllm_extra_args"] = COMPILED_ENGINE_ARGS
+    return host_vars
 
 
 @pytest.fixture(scope="module")
-def inventory(balancer, replicas, replica_host_vars, hub, tmp_path_factory):
+def inventory(balancer, replicas, monitor, replica_host_vars, hub, tmp_path_factory):
     site_vars = cpu_site_vars(hub.url, gateway(balancer))
-    del site_vars["kimi_api_trusted_cidrs"]  # the default: the balancer alone reads /health and /metrics
+    # The default trust: the balancer and the monitoring hosts alone read /health and /metrics.
+    del site_vars["kimi_api_trusted_cidrs"]
     return write_inventory(
         tmp_path_factory.mktemp("replicas") / "hosts.yml", replicas,
-        groups={"kimi_replicas": replicas, "kimi_balancer": [balancer]},
+        groups={"kimi_replicas": replicas, "kimi_balancer": [balancer], "kimi_monitoring": [monitor]},
         extra_vars={
             **site_vars,
             "kimi_balancer_port": BALANCER_PORT,
             # Download once, copy host to host (the weights role's fan-out).
             "kimi_model_fanout": True,
             "kimi_balancer_check_interval_sec": 1,
+            "kimi_firewall_allowed_cidrs": [*site_vars["kimi_firewall_allowed_cidrs"], f"{monitor.address}/32"],
+            # The test reads Prometheus's API from the controller; its default address is loopback.
+            "kimi_prometheus_listen_address": "0.0.0.0:9090",
+            **PROMETHEUS_INTERVALS,
         },
         host_vars=replica_host_vars,
     )
@@ -95,6 +121,45 @@ def converge(inventory):
 @pytest.fixture(scope="module")
 def endpoint(balancer) -> str:
     return f"http://{balancer.address}:{BALANCER_PORT}/v1"
+
+
+@pytest.fixture(scope="module")
+def render_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("rendered")
+
+
+@pytest.fixture(scope="module")
+def monitoring(converge, inventory, render_dir):
+    started = time.monotonic()
+    run = ansible_playbook("playbooks/monitoring.yml", inventory,
+                           extra_vars={"kimi_monitoring_render_dir": str(render_dir)})
+    print(f"\nplaybooks/monitoring.yml, first run: {time.monotonic() - started:.0f} s")
+    assert run.returncode == 0, str(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def prom(monitor, monitoring) -> str:
+    return f"http://{monitor.address}:9090"
+
+
+def _api(prom: str, path: str, **params) -> dict | list:
+    reply = httpx.get(f"{prom}/api/v1/{path}", params=params, timeout=30)
+    body = reply.json()
+    assert reply.status_code == 200 and body["status"] == "success", f"{path} {params}: {reply.text}"
+    return body["data"]
+
+
+def _eventually(check, timeout: float = 120, every: float = 2):
+    """Call `check` until it returns without an AssertionError; the last error is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(every)
 
 
 def _servers(balancer) -> dict[str, dict[str, str]]:
@@ -256,6 +321,85 @@ def test_the_balancer_checks_readiness_not_vllms_health(converge, balancer, repl
     assert "http-check send meth GET uri /ready" in balancer.ssh("cat /etc/haproxy/haproxy.cfg").stdout
 
 
+# ---------------------------------------------------------------------------------------------
+# Prometheus on its own host (playbooks/monitoring.yml) watching the replicas
+
+
+def test_monitoring_playbook_converges_and_a_rerun_changes_nothing(monitoring, inventory, render_dir, monitor):
+    assert monitor.ssh("systemctl is-active prometheus").stdout.strip() == "active"
+    again = ansible_playbook("playbooks/monitoring.yml", inventory,
+                             extra_vars={"kimi_monitoring_render_dir": str(render_dir)})
+    assert again.returncode == 0, str(again)
+    assert again.changed == 0, f"not idempotent: {again.changed_tasks()}\n{again}"
+    # The controller's copy, for operators with their own Prometheus, is what the server runs.
+    assert (render_dir / "prometheus.yml").read_text() == monitor.ssh("cat /etc/prometheus/prometheus.yml").stdout
+
+
+def test_vllm_metrics_answer_prometheus_without_the_key_and_no_one_else(converge, replicas, monitor):
+    """Why the scrape config sends no bearer token by default: /metrics answers the monitoring hosts (and the
+    host itself) without it, and no other address at all."""
+    for replica in replicas:
+        metrics = monitor.ssh(f"curl -sS -m 10 http://{replica.address}:8000/metrics").stdout
+        assert "vllm:num_requests_running" in metrics, replica.name
+        assert httpx.get(f"http://{replica.address}:8000/metrics", timeout=10).status_code == 404
+        assert httpx.get(f"http://{replica.address}:8000/v1/models", timeout=10).status_code == 401
+
+
+def test_prometheus_scrapes_both_endpoints_of_each_replica(prom, replicas):
+    def all_up():
+        targets = _api(prom, "targets")["activeTargets"]
+        seen = {(t["labels"]["job"], t["labels"]["host"], t["health"]) for t in targets}
+        assert seen == {(job, replica.name, "up") for job in ("kimi-vllm", "kimi-exporter") for replica in replicas}, (
+            targets)
+    _eventually(all_up)
+
+
+def test_rules_are_loaded_and_evaluate_without_errors(prom):
+    def evaluated():
+        groups = _api(prom, "rules")["groups"]
+        assert {group["name"] for group in groups} == RULE_GROUPS
+        rules = [rule for group in groups for rule in group["rules"]]
+        assert all(rule["lastEvaluation"] > "0001-01-01T00:00:00Z" for rule in rules), "not evaluated yet"
+        assert [rule for rule in rules if rule["health"] != "ok"] == []
+    _eventually(evaluated)
+    slo = _api(prom, "query", query="kimi:slo_ttft_p99_seconds")["result"]
+    assert [float(sample["value"][1]) for sample in slo] == [2.5]
+
+
+def test_every_series_the_rules_and_dashboard_read_exists(prom, endpoint):
+    """No rule or panel names a series nobody exports. GPU series (DCGM_FI_DEV_* and the per-GPU kimi_*
+    series) cannot exist on these hosts without a GPU: those are checked against the exporter's own list,
+    kimi_service.exporter.GPU_SERIES, instead of against Prometheus."""
+    client = openai.OpenAI(base_url=endpoint, api_key=API_KEY, max_retries=0)
+    for _ in range(4):  # requests fill vLLM's latency histograms and token counters, on both replicas
+        stream = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hello"}],
+                                                max_tokens=8, stream=True)
+        assert list(stream)
+    used = prometheus.names_used()
+    assert {name for name in used if name.startswith("DCGM_")} <= GPU_SERIES
+    expected = used - GPU_SERIES
+
+    def all_present():
+        present = set(_api(prom, "label/__name__/values"))
+        assert expected - present == set(), "read by a rule or panel, not in Prometheus"
+    _eventually(all_present)
+
+
+def test_every_dashboard_expression_runs_on_prometheus(prom):
+    for expr in prometheus.dashboard_expressions():
+        _api(prom, "query", query=expr)
+
+
+def test_healthy_replicas_fire_no_alert(prom):
+    """Before the tests that stop an engine; the last one asserts the alert a stopped engine raises."""
+    firing = [alert for alert in _api(prom, "alerts")["alerts"] if alert["state"] == "firing"]
+    assert firing == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Changes and failures behind the balancer
+
+
 def test_second_run_changes_nothing(converge, inventory):
     second = ansible_playbook("site.yml", inventory)
     assert second.returncode == 0, str(second)
@@ -291,7 +435,8 @@ def test_broken_upgrade_rolls_back_and_the_endpoint_never_stops_answering(conver
     assert loop.errors == [], loop.report(balancer)
 
 
-def test_stopping_a_replica_keeps_requests_succeeding(converge, balancer, replicas, endpoint):
+def test_stopping_a_replica_keeps_requests_succeeding_and_raises_its_alert(converge, balancer, replicas, endpoint,
+                                                                          prom):
     """Last in this module: the stopped replica stays down (its coming back is the roll-back test's)."""
     stopped = replicas[0]
     with ClientLoop(endpoint) as loop:
@@ -305,3 +450,10 @@ def test_stopping_a_replica_keeps_requests_succeeding(converge, balancer, replic
         assert "ConnectionResetError" not in journal, journal[-5000:]
         loop.wait_served(10)
     assert loop.errors == [], loop.report(balancer)
+
+    def engine_down_alert():
+        alerts = [alert for alert in _api(prom, "alerts")["alerts"] if alert["labels"]["alertname"] == "KimiEngineDown"]
+        assert [alert["labels"]["host"] for alert in alerts] == [stopped.name]
+        assert alerts[0]["state"] in {"pending", "firing"}
+        assert "systemctl status kimi-vllm" in alerts[0]["annotations"]["description"]
+    _eventually(engine_down_alert, timeout=90)

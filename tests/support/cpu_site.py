@@ -24,7 +24,7 @@ HF_TOKEN = "hf_e2e_token_5f3a8c2e91"
 # no compile step, which would add about a minute to each of the suite's many engine starts.
 SMALL_ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]
 # vLLM's default compiled path (torch.compile, the C++ compiler the runtime stage installs), as a real
-# host runs it; only the KV cache is kept small. test_monitoring's engine host runs it.
+# host runs it; only the KV cache is kept small. test_replicas' second replica runs it.
 COMPILED_ENGINE_ARGS = ["--kv-cache-memory-bytes", "256M"]
 
 

@@ -1,7 +1,7 @@
 """The observability pack (monitoring/): alert rules, their promtool unit tests, the Grafana dashboard
 and the scrape configuration playbooks/monitoring.yml renders, all checked by the real promtool.
 
-The Prometheus server scraping a real engine and exporter is tests/integration/test_monitoring.py.
+The Prometheus server scraping a real engine and exporter is tests/integration/test_replicas.py.
 """
 
 from __future__ import annotations
