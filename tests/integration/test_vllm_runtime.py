@@ -93,9 +93,24 @@ def test_a_failed_change_leaves_the_current_venv_untouched(first_run, inventory,
     testhost.ssh(f"{LINK}/bin/python -c 'import vllm'")
 
 
+BASE_SITE = "/opt/kimi-base-site"
+
+
+def _install_base_package(host) -> None:
+    """A package only in a directory outside the venv and the wheelhouse, as a GPU image's torch is."""
+    host.ssh(f"mkdir -p {BASE_SITE}/kimi_base_probe {BASE_SITE}/kimi_base_probe-1.0.dist-info && "
+             f"echo 'ANSWER = 42' > {BASE_SITE}/kimi_base_probe/__init__.py && "
+             f"printf 'Metadata-Version: 2.1\\nName: kimi-base-probe\\nVersion: 1.0\\n' "
+             f"> {BASE_SITE}/kimi_base_probe-1.0.dist-info/METADATA")
+
+
 def test_a_changed_pin_builds_beside_and_switches(first_run, inventory, testhost):
     before = _target(testhost)
-    extra = {"kimi_runtime_extra_packages": ["tqdm==4.70.1"]}
+    _install_base_package(testhost)
+    # A new pin, and one requirement that only kimi_runtime_site_packages satisfies: pip must count the
+    # packages there as installed (the wheelhouse has no kimi-base-probe; without the .pth, pip fails).
+    extra = {"kimi_runtime_extra_packages": ["tqdm==4.70.1", "kimi-base-probe==1.0"],
+             "kimi_runtime_site_packages": [BASE_SITE]}
     run = ansible_playbook("playbooks/runtime.yml", inventory, extra_vars=extra)
     assert run.returncode == 0, str(run)
     after = _target(testhost)
@@ -104,6 +119,10 @@ def test_a_changed_pin_builds_beside_and_switches(first_run, inventory, testhost
     assert testhost.ssh(f"test -x {before}/bin/python", check=False).returncode == 0
     assert testhost.ssh(f"test -L {LINK} && test ! -e {LINK}.new", check=False).returncode == 0
     testhost.ssh(f"{LINK}/bin/python -c 'import vllm, tqdm; assert tqdm.__version__ == \"4.70.1\"'")
+    probe = testhost.ssh(f"{LINK}/bin/python -c 'import kimi_base_probe as p; print(p.ANSWER, p.__file__)'").stdout
+    assert probe.split() == ["42", f"{BASE_SITE}/kimi_base_probe/__init__.py"], probe
+    own = testhost.ssh(f"ls {after}/lib/python3*/site-packages").stdout.split()
+    assert "kimi-site-packages.pth" in own and not any(name.startswith("kimi_base_probe") for name in own), own
     # Going back is a switch to the kept venv, no install.
     back = ansible_playbook("playbooks/runtime.yml", inventory)
     assert back.returncode == 0, str(back)
