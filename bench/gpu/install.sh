@@ -2,7 +2,9 @@
 # Runs on the device machine: joins the wheel parts carried by earlier calls (.device/parts/p*),
 # checks them against the manifest, installs them into $KIMI_SITE with pip (no index, no deps) and
 # proves `import vllm, kimi_service` works. Skips the install when the same parts are already in.
-# Usage: bench/gpu/install.sh [--check]   (--check: only report which parts are present)
+# Usage: bench/gpu/install.sh [--check | --wheelhouse DIR]
+#   --check: only report which parts are present
+#   --wheelhouse DIR: join and unpack the wheels into DIR (a wheelhouse for site.yml's runtime stage), no install
 set -euo pipefail
 # shellcheck source=bench/gpu/env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -36,22 +38,37 @@ echo "wheel parts present: $present of $total${missing[*]:+ (missing: ${missing[
 if [[ ${1:-} == --check ]]; then
     exit 0
 fi
-if [[ -f $stamp ]]; then
-    echo "wheels already installed in $KIMI_SITE"
-else
+
+join_parts() {  # $1: directory to unpack the carried wheels into
     if ((${#missing[@]})); then
         echo "error: carry the missing parts first (one .device/parts/pN per call)" >&2
         exit 1
     fi
-    unpacked=$(mktemp -d)
-    trap 'rm -rf "$unpacked"' EXIT
+    local joined
+    joined=$(mktemp -d)
     while read -r _ _ name; do cat "$(find "$PARTS" -name "$name" | head -1)"; done \
-        < <(grep '^part ' "$manifest") > "$unpacked/wheels.tar"
-    if [[ $(sha256sum "$unpacked/wheels.tar" | cut -d' ' -f1) != "$tar_sha" ]]; then
+        < <(grep '^part ' "$manifest") > "$joined/wheels.tar"
+    if [[ $(sha256sum "$joined/wheels.tar" | cut -d' ' -f1) != "$tar_sha" ]]; then
+        rm -rf "$joined"
         echo "error: the joined parts do not match the manifest; run prepare_wheels.sh again" >&2
         exit 1
     fi
-    tar -C "$unpacked" -xf "$unpacked/wheels.tar"
+    mkdir -p "$1"
+    tar -C "$1" -xf "$joined/wheels.tar"
+    rm -rf "$joined"
+}
+
+if [[ ${1:-} == --wheelhouse ]]; then
+    join_parts "$2"
+    echo "unpacked $(find "$2" -name '*.whl' | wc -l) wheels into $2"
+    exit 0
+fi
+if [[ -f $stamp ]]; then
+    echo "wheels already installed in $KIMI_SITE"
+else
+    unpacked=$(mktemp -d)
+    trap 'rm -rf "$unpacked"' EXIT
+    join_parts "$unpacked"
     started=$SECONDS
     "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$KIMI_SITE" "$unpacked"/*.whl

@@ -73,8 +73,19 @@ for chunk in "${chunks[@]}"; do
     cp "$build_dir/MANIFEST" "$PARTS/p$i/MANIFEST"
 done
 
+# site.yml runs on the device itself (ansible_connection: local, bench/gpu/site_e2e.sh): ansible-core at this
+# checkout's version and what it needs, for the device's Python. Small enough to travel with the last part.
+ANSIBLE_WHEELS="$ROOT/.device/ansible"
+rm -rf "$ANSIBLE_WHEELS"
+ansible_version=$("$PYTHON" -c 'import ansible.release; print(ansible.release.__version__)')
+echo "== downloading ansible-core $ansible_version and its requirements into $ANSIBLE_WHEELS"
+"$PYTHON" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" "ansible-core==$ansible_version" -d "$ANSIBLE_WHEELS"
+
 echo "== $(find "$WHEELS" -name "*.whl" | wc -l) wheels, $(du -sh "$WHEELS" | cut -f1); carry one part per device call:"
 for dir in "$PARTS"/p*; do
     printf '%-22s %10d bytes (%s)\n' ".device/parts/$(basename "$dir")" "$(du -cb "$dir"/* | tail -1 | cut -f1)" \
         "$(du -sh "$dir" | cut -f1)"
 done
+printf '%-22s %10d bytes (%s): carry it with the last part\n' ".device/ansible" \
+    "$(du -cb "$ANSIBLE_WHEELS"/* | tail -1 | cut -f1)" "$(du -sh "$ANSIBLE_WHEELS" | cut -f1)"
