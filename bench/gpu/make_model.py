@@ -7,7 +7,10 @@ generated words, padded with plain filler tokens up to the model's vocabulary so
 random model can emit decodes to text (a stream of undecodable ids would look like no output at all).
 Skips the work when DIR already holds a complete model of the same shape.
 
-Usage: make_model.py DIR [--shape llama-3.1-8b|llama-3.1-70b-16l|tiny]
+Two architectures: Llama 3.1 (GQA attention, dense MLP) and DeepSeek-V3 (MLA attention, routed + shared
+experts: the language model of Kimi K2.5), each at its published widths, some with fewer layers.
+
+Usage: make_model.py DIR [--shape llama-3.1-8b|llama-3.1-70b-16l|deepseek-v3-4l|tiny]
 torch, safetensors and tokenizers are imported where used, so the shape arithmetic loads without them.
 """
 
@@ -22,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import mla_model
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -60,18 +65,39 @@ LLAMA31_ROPE = {
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192, "rope_type": "llama3",
 }
-SHAPES = {
+@dataclass(frozen=True)
+class MlaMoeShape:
+    """DeepSeek-V3's published widths (mla_model.CONFIG) with fewer layers and routed experts."""
+
+    num_hidden_layers: int
+    first_k_dense_replace: int
+    n_routed_experts: int
+
+    @property
+    def vocab_size(self) -> int:
+        return mla_model.CONFIG["vocab_size"]
+
+    def config(self) -> dict:
+        return {**mla_model.CONFIG, **asdict(self)}
+
+
+SHAPES: dict[str, Shape | MlaMoeShape] = {
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 128256, 500000.0, 131072, LLAMA31_ROPE),
     # Llama 3.1 70B's widths with 16 of its 80 layers: 15.9 B parameters, 31.8 GB in bf16. The device's
     # 64 GiB disk, not the GPU, is the bound: it must also hold the 8B model, the wheels and caches.
     "llama-3.1-70b-16l": Shape(8192, 16, 64, 8, 28672, 128256, 500000.0, 131072, LLAMA31_ROPE),
+    # Kimi K2.5's architecture on one GPU: 4 layers (the first dense), 32 routed experts of 8 per token plus
+    # the shared one; 7.3 B parameters, 14.7 GB in bf16.
+    "deepseek-v3-4l": MlaMoeShape(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=32),
     # For checking the writer on a CPU in seconds.
     "tiny": Shape(256, 2, 4, 2, 512, 2048, 500000.0, 16384, LLAMA31_ROPE),
 }
 
 
-def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
-    """Every weight of LlamaForCausalLM, by its checkpoint name."""
+def tensor_shapes(shape: Shape | MlaMoeShape) -> dict[str, tuple[int, ...]]:
+    """Every weight of the shape's architecture, by its checkpoint name."""
+    if isinstance(shape, MlaMoeShape):
+        return mla_moe_tensor_shapes(shape.config())
     h, inter, vocab = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     kv = shape.num_key_value_heads * (h // shape.num_attention_heads)
     names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
@@ -90,6 +116,46 @@ def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
         }
     names |= {"model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
     return names
+
+
+def mla_moe_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every weight of DeepseekV3ForCausalLM (no multi-token-prediction layer), by its checkpoint name."""
+    h, vocab, heads = config["hidden_size"], config["vocab_size"], config["num_attention_heads"]
+    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    experts, expert_width = config["n_routed_experts"], config["moe_intermediate_size"]
+    shared_width = expert_width * config["n_shared_experts"]
+    names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        names |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_a_proj.weight": (q_rank, h),
+            p + "self_attn.q_a_layernorm.weight": (q_rank,),
+            p + "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
+            p + "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, h),
+            p + "self_attn.kv_a_layernorm.weight": (kv_rank,),
+            p + "self_attn.kv_b_proj.weight": (heads * (nope + v), kv_rank),
+            p + "self_attn.o_proj.weight": (h, heads * v),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if i < config["first_k_dense_replace"]:
+            names |= _mlp(p + "mlp.", h, config["intermediate_size"])
+            continue
+        names |= {p + "mlp.gate.weight": (experts, h), p + "mlp.gate.e_score_correction_bias": (experts,)}
+        for e in range(experts):
+            names |= _mlp(f"{p}mlp.experts.{e}.", h, expert_width)
+        names |= _mlp(p + "mlp.shared_experts.", h, shared_width)
+    names |= {"model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    return names
+
+
+def _mlp(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (width, hidden),
+        prefix + "up_proj.weight": (width, hidden),
+        prefix + "down_proj.weight": (hidden, width),
+    }
 
 
 def plan_shards(shapes: dict[str, tuple[int, ...]], limit: int) -> list[list[str]]:
@@ -113,8 +179,9 @@ def _numel(dims: tuple[int, ...]) -> int:
     return count
 
 
-def write_weights(shape: Shape, out: Path, device: str, seed: int = 0) -> int:
-    """Random bf16 weights (std 0.02, norms 1) as sharded safetensors plus the index; returns bytes."""
+def write_weights(shape: Shape | MlaMoeShape, out: Path, device: str, seed: int = 0) -> int:
+    """Random bf16 weights (std 0.02, norms 1, the router's score bias 0 in fp32, as DeepSeek ships it) as
+    sharded safetensors plus the index; returns bytes."""
     import torch
     from safetensors.torch import save_file
 
@@ -130,6 +197,8 @@ def write_weights(shape: Shape, out: Path, device: str, seed: int = 0) -> int:
             dims = shapes[name]
             if name.endswith("norm.weight"):
                 tensor = torch.ones(dims, dtype=torch.bfloat16, device=device)
+            elif name.endswith("e_score_correction_bias"):
+                tensor = torch.zeros(dims, dtype=torch.float32, device=device)
             else:
                 tensor = torch.randn(dims, generator=generator, dtype=torch.bfloat16, device=device).mul_(0.02)
             tensors[name] = tensor.cpu()
@@ -190,8 +259,18 @@ def write_tokenizer(tok: Tokenizer, out: Path) -> dict[str, int]:
     return ids
 
 
-def write_config(shape: Shape, ids: dict[str, int], out: Path) -> None:
-    config = {
+def write_config(shape: Shape | MlaMoeShape, ids: dict[str, int], out: Path) -> None:
+    if isinstance(shape, MlaMoeShape):
+        config = {**shape.config(), "bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]}
+    else:
+        config = _llama_config(shape, ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _llama_config(shape: Shape, ids: dict[str, int]) -> dict:
+    return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "hidden_act": "silu",
         "initializer_range": 0.02, "rms_norm_eps": 1e-05, "pretraining_tp": 1, "tie_word_embeddings": False,
@@ -199,9 +278,6 @@ def write_config(shape: Shape, ids: dict[str, int], out: Path) -> None:
         "bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]],
         **asdict(shape),
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def main() -> None:
@@ -214,7 +290,8 @@ def main() -> None:
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     # The marker holds the whole shape, so a changed table entry makes a new model.
-    recipe = json.dumps({"shape": args.shape, "special_tokens": SPECIAL_TOKENS, **asdict(shape)}, sort_keys=True)
+    widths = shape.config() if isinstance(shape, MlaMoeShape) else asdict(shape)
+    recipe = json.dumps({"shape": args.shape, "special_tokens": SPECIAL_TOKENS, **widths}, sort_keys=True)
     marker = args.out / DONE_MARKER
     if marker.exists() and marker.read_text().strip() == recipe:
         print(f"{args.out}: {args.shape} already there")

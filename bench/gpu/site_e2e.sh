@@ -10,9 +10,15 @@
 #   prepare    the wheelhouse from the carried parts (install.sh --wheelhouse), ansible-core from
 #              .device/ansible, the model (skipped when present)
 #   converge   ansible-playbook site.yml, the first run, in the background (it may outlast one call)
-#   wait       wait for that run to end
+#   wait       wait for the latest background run to end
 #   rerun      site.yml again (changed=0 expected), kimi-service health --json, a scrape of the exporter
+#   bench      playbooks/bench.yml at concurrency 1, 16, 64 through the deployed endpoint, then vLLM's
+#              defaults (`vllm serve MODEL`, nothing else) from the same venv on the same GPU, swept alike
 #   kill       kill -9 of vLLM: seconds until the endpoint serves again under supervisord
+#   moe        the MLA + MoE shape (make_model.py --shape deepseek-v3-4l) through site.yml in place of the
+#              Llama model, in the background: the planner's KV tokens against vLLM's
+#   moe-probe  the same model under plain `vllm serve` (vLLM's own MoE backend choice) for 150 s, with
+#              what the engine runs meanwhile (compilers), to show why the plan picks Triton's MoE
 #   uninstall  playbooks/uninstall.yml
 set -euo pipefail
 
@@ -23,7 +29,11 @@ RESULTS="$E2E/results"
 WHEELHOUSE="$E2E/wheelhouse"
 ANSIBLE_SITE="$E2E/ansible"
 MODEL_SRC="$E2E/models/llama-3.1-8b"
+MOE_SRC="$E2E/models/deepseek-v3-4l"
 INVENTORY="$E2E/inventory/hosts.yml"
+MOE_INVENTORY="$E2E/inventory/moe.yml"
+VENV=/opt/kimi-service/venv
+SUPERVISORCTL=("$VENV/bin/supervisorctl" -c /etc/kimi-service/supervisord.conf)
 PYTHON=${PYTHON:-python3}
 mkdir -p "$RESULTS" "$OUT" "$(dirname "$INVENTORY")"
 cd "$REPO"
@@ -43,25 +53,74 @@ playbook() {  # NAME LOG ARGS...: ansible-playbook from the carried ansible-core
     shift 2
     local started=$SECONDS rc=0
     PYTHONPATH="$ANSIBLE_SITE" ANSIBLE_LOG_PATH="$RESULTS/$logfile.ansible.log" \
-        "$PYTHON" "$ANSIBLE_SITE/bin/ansible-playbook" -i "$INVENTORY" "$name" "$@" > "$RESULTS/$logfile.log" 2>&1 \
-        || rc=$?
+        "$PYTHON" "$ANSIBLE_SITE/bin/ansible-playbook" -i "${PLAY_INVENTORY:-$INVENTORY}" "$name" "$@" \
+        > "$RESULTS/$logfile.log" 2>&1 || rc=$?
     echo "$name $* exit $rc in $((SECONDS - started)) s" | tee -a "$RESULTS/timings.txt"
     report "$logfile"
     return $rc
 }
 
-wait_converge() {  # the first run goes on in the background past one call's limit; wait up to $1 s
-    local deadline=$((SECONDS + $1))
-    while [[ ! -f $RESULTS/converge.rc ]] && ((SECONDS < deadline)); do
+background_site() {  # LOG INVENTORY WAIT: site.yml in the background (it may outlast one call), waited for
+    local logfile=$1
+    rm -f "$RESULTS/$logfile.rc"
+    echo "$logfile" > "$RESULTS/background"
+    setsid nohup bash -c "source '$REPO/bench/gpu/site_e2e.sh' --functions-only
+        rc=0; PLAY_INVENTORY='$2' playbook site.yml $logfile || rc=\$?; echo \$rc > '$RESULTS/$logfile.rc'" \
+        > /dev/null 2>&1 < /dev/null &
+    wait_background "$3"
+}
+
+wait_background() {  # wait up to $1 s for the latest background site.yml
+    local logfile deadline=$((SECONDS + $1))
+    logfile=$(cat "$RESULTS/background")
+    while [[ ! -f $RESULTS/$logfile.rc ]] && ((SECONDS < deadline)); do
         sleep 5
     done
-    if [[ ! -f $RESULTS/converge.rc ]]; then
-        echo "site.yml still running; last task:"
-        grep 'TASK \[' "$RESULTS/converge.log" | tail -1
+    if [[ ! -f $RESULTS/$logfile.rc ]]; then
+        echo "site.yml ($logfile) still running; last task:"
+        grep 'TASK \[' "$RESULTS/$logfile.log" | tail -1
         return 1
     fi
-    report converge
-    return "$(cat "$RESULTS/converge.rc")"
+    report "$logfile"
+    return "$(cat "$RESULTS/$logfile.rc")"
+}
+
+wait_url() {  # URL SECONDS PID: until URL answers 200, the process ends, or time runs out
+    local deadline=$((SECONDS + $2))
+    until curl -sf -m 5 -o /dev/null "$1"; do
+        if ((SECONDS > deadline)) || ! kill -0 "$3" 2>/dev/null; then
+            return 1
+        fi
+        sleep 2
+    done
+}
+
+stop_group() {  # PID: the process group a setsid started, SIGTERM then SIGKILL
+    kill -- -"$1" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -"$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+}
+
+deployed_model_dir() {
+    sed -n 's/^ *path: *//p' /etc/kimi-service/config.yaml | head -1
+}
+
+wait_deployed_ready() {  # SINCE LIMIT: until serve's readiness port says ready, at most LIMIT s after SINCE
+    until curl -sf -m 5 -o /dev/null http://127.0.0.1:8001/ready; do
+        if ((SECONDS - $1 > $2)); then
+            echo "the deployed engine is not serving $2 s later"
+            return 1
+        fi
+        sleep 2
+    done
+}
+
+serve_deployed_again() {
+    "${SUPERVISORCTL[@]}" start kimi-vllm
+    local started=$SECONDS
+    wait_deployed_ready "$started" 400 || return 1
+    echo "the deployed engine serves again after $((SECONDS - started)) s"
 }
 
 section_prepare() {
@@ -81,18 +140,29 @@ section_prepare() {
         "$PYTHON" bench/gpu/make_model.py "$MODEL_SRC" --shape llama-3.1-8b
     fi
     du -sh "$MODEL_SRC"
+    write_inventory "$INVENTORY" e2e/llama-3.1-8b "$MODEL_SRC"
+    cp "$INVENTORY" "$RESULTS/inventory.yml"
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        echo "PID 1: $(tr '\0' ' ' < /proc/1/cmdline | cut -c1-80)"
+        echo "python3: $(command -v "$PYTHON") $("$PYTHON" --version 2>&1)"
+        df -h /tmp | tail -1
+    } | tee "$RESULTS/facts.txt"
+}
+
+write_inventory() {  # FILE MODEL SOURCE_DIR
     local torch_site
     torch_site=$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-    cat > "$INVENTORY" <<EOF
+    cat > "$1" <<EOF
 all:
   hosts:
     gpu0:
       ansible_connection: local
       ansible_python_interpreter: /usr/bin/python3
   vars:
-    kimi_model: e2e/llama-3.1-8b
+    kimi_model: $2
     kimi_model_source: local
-    kimi_model_local_path: $MODEL_SRC
+    kimi_model_local_path: $3
     kimi_served_model_name: e2e
     kimi_wheelhouse: $WHEELHOUSE
     # The image's CUDA torch (gigabytes) is used as it is: the venv sees it, the wheelhouse need not carry it.
@@ -100,25 +170,15 @@ all:
     # flashinfer's sampler JIT-compiles kernels its cubin package (not carried) would provide.
     kimi_vllm_extra_env: {VLLM_USE_FLASHINFER_SAMPLER: "0"}
 EOF
-    cp "$INVENTORY" "$RESULTS/inventory.yml"
-    {
-        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        echo "PID 1: $(tr '\0' ' ' < /proc/1/cmdline | cut -c1-80)"
-        echo "python3: $(command -v "$PYTHON") $("$PYTHON" --version 2>&1); torch site: $torch_site"
-        df -h /tmp | tail -1
-    } | tee "$RESULTS/facts.txt"
 }
 
 section_converge() {
     log "site.yml, first run (in the background; this call waits up to 530 s, section wait waits again)"
-    rm -f "$RESULTS/converge.rc"
-    setsid nohup bash -c "source '$REPO/bench/gpu/site_e2e.sh' --functions-only
-        rc=0; playbook site.yml converge || rc=\$?; echo \$rc > '$RESULTS/converge.rc'" > /dev/null 2>&1 < /dev/null &
-    wait_converge 530
+    background_site converge "$INVENTORY" 530
 }
 
 section_wait() {
-    wait_converge 560
+    wait_background 560
 }
 
 section_rerun() {
@@ -136,6 +196,113 @@ section_rerun() {
         | cut -c1-300 || true
 }
 
+section_bench() {
+    local levels=1,16,64 prompts=32 model_dir pid
+    log "playbooks/bench.yml at concurrency $levels through the deployed endpoint (the planner's flags)"
+    playbook playbooks/bench.yml bench -e "kimi_bench_concurrency=$levels" -e "kimi_bench_prompts=$prompts" \
+        -e "kimi_bench_results_dir=$RESULTS/bench-deployed" || true
+    grep -A12 'Show the table' "$RESULTS/bench.log" | sed -n 's/^ *"\(.*\)",\?$/\1/p' || true
+    log "vLLM's defaults: vllm serve MODEL from the deployed venv, nothing else (the deployed engine stopped)"
+    model_dir=$(deployed_model_dir)
+    "${SUPERVISORCTL[@]}" stop kimi-vllm
+    # The same environment the deployed unit gives vLLM for the sampler (kimi_vllm_extra_env).
+    VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 setsid "$VENV/bin/vllm" serve "$model_dir" \
+        --served-model-name e2e --port 8000 > "$RESULTS/vllm-default.log" 2>&1 < /dev/null &
+    pid=$!
+    local started=$SECONDS
+    if wait_url http://127.0.0.1:8000/health 420 "$pid"; then
+        echo "vLLM with its defaults served after $((SECONDS - started)) s" | tee -a "$RESULTS/timings.txt"
+        "$VENV/bin/kimi-service" bench --url http://127.0.0.1:8000 --model e2e --tokenizer "$model_dir" \
+            --concurrency "$levels" --input-len 512 --output-len 128 --prompts "$prompts" \
+            --json "$RESULTS/bench-default.json" || true
+    else
+        echo "vLLM with its defaults did not serve:"
+        tail -30 "$RESULTS/vllm-default.log"
+    fi
+    stop_group "$pid"
+    serve_deployed_again
+    "$PYTHON" - "$RESULTS/bench-deployed/gpu0/bench.json" "$RESULTS/bench-default.json" <<'PY' \
+        | tee "$RESULTS/bench-table.md"
+import json, sys
+def levels(path):
+    try:
+        return {level["concurrency"]: level for level in json.load(open(path))["levels"]}
+    except (OSError, ValueError, KeyError):
+        return {}
+deployed, default = levels(sys.argv[1]), levels(sys.argv[2])
+print("| concurrency | deployed tok/s | vLLM defaults tok/s | ratio | deployed TTFT p50 s | defaults TTFT p50 s "
+      "| deployed ITL p50 ms | defaults ITL p50 ms |")
+print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+for conc in sorted(set(deployed) | set(default)):
+    d, v = deployed.get(conc, {}), default.get(conc, {})
+    tok = lambda x: x.get("output_tokens_per_s")
+    ratio = f"{tok(d) / tok(v):.2f}" if tok(d) and tok(v) else "-"
+    ttft = lambda x: f"{x['ttft_s']['p50']:.3f}" if x else "-"
+    itl = lambda x: f"{1000 * x['itl_s']['p50']:.1f}" if x else "-"
+    print(f"| {conc} | {tok(d) or 0:.0f} | {tok(v) or 0:.0f} | {ratio} | {ttft(d)} | {ttft(v)} | {itl(d)} | {itl(v)} |")
+PY
+}
+
+section_moe() {
+    log "the MLA + MoE shape: make_model.py --shape deepseek-v3-4l"
+    # The Llama source directory is not needed any more (its copy is served); the disk holds both models' copies.
+    rm -rf "$MODEL_SRC"
+    "$PYTHON" bench/gpu/make_model.py "$MOE_SRC" --shape deepseek-v3-4l
+    du -sh "$MOE_SRC"
+    write_inventory "$MOE_INVENTORY" e2e/deepseek-v3-4l "$MOE_SRC"
+    {
+        echo "nvcc: $(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null || echo none)"
+        "$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+for name in ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache"):
+    try:
+        print(f"{name}: {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name}: not installed")
+PY
+    } 2>&1 | tee "$RESULTS/moe-facts.txt"
+    log "site.yml with the MoE model (in the background; this call waits up to 480 s, section wait waits again)"
+    local rc=0
+    background_site moe "$MOE_INVENTORY" 480 || rc=$?
+    moe_report
+    return $rc
+}
+
+moe_report() {
+    cp /run/kimi-service/plan.json "$RESULTS/moe-plan.json" 2>/dev/null || true
+    curl -sS -m 30 http://127.0.0.1:9400/metrics > "$RESULTS/moe-exporter.prom" || true
+    grep -E '^kimi_kv_cache_tokens|^kimi_plan_info' "$RESULTS/moe-exporter.prom" | cut -c1-400 || true
+    grep -h -E 'GPU KV cache size|Available KV cache memory|MoE backend|Model loading took|torch.compile takes|Graph capturing finished|init engine' \
+        /var/lib/kimi-service/logs/*.log 2>/dev/null | tail -20 | tee "$RESULTS/moe-engine-lines.txt" || true
+}
+
+section_moe_probe() {
+    local model_dir pid started
+    model_dir=$(deployed_model_dir)
+    log "vllm serve $model_dir with vLLM's own MoE backend choice, 150 s, the deployed engine stopped"
+    "${SUPERVISORCTL[@]}" stop kimi-vllm
+    VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 setsid "$VENV/bin/vllm" serve "$model_dir" \
+        --served-model-name probe --port 8000 --max-model-len 8192 > "$RESULTS/moe-probe.log" 2>&1 < /dev/null &
+    pid=$!
+    started=$SECONDS
+    while ((SECONDS - started < 150)); do
+        if curl -sf -m 2 -o /dev/null http://127.0.0.1:8000/health; then
+            echo "served after $((SECONDS - started)) s" | tee -a "$RESULTS/moe-probe-ps.txt"
+            break
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        {
+            echo "== $((SECONDS - started)) s"
+            ps -eo pid,etimes,pcpu,args --sort=-pcpu | grep -E 'nvcc|cicc|ptxas|ninja|c\+\+|gcc|VLLM|vllm' \
+                | grep -v grep | cut -c1-250 | head -12
+        } >> "$RESULTS/moe-probe-ps.txt"
+        sleep 15
+    done
+    stop_group "$pid"
+    grep -E 'MoE|moe|flashinfer|FlashInfer|JIT|jit|compil' "$RESULTS/moe-probe.log" | cut -c1-300 | tail -25 || true
+    tail -40 "$RESULTS/moe-probe-ps.txt"
+}
+
 section_kill() {
     log "kill -9 of vLLM's API server"
     local pid started
@@ -148,13 +315,7 @@ section_kill() {
         sleep 0.5
     done
     echo "not ready $((SECONDS - started)) s after kill -9"
-    until curl -sf -m 5 -o /dev/null http://127.0.0.1:8001/ready; do
-        if ((SECONDS - started > 540)); then
-            echo "not serving again after 540 s"
-            return 1
-        fi
-        sleep 2
-    done
+    wait_deployed_ready "$started" 540 || return 1
     echo "serving again $((SECONDS - started)) s after kill -9" | tee -a "$RESULTS/timings.txt"
 }
 
@@ -170,7 +331,7 @@ started=$SECONDS
 failed=()
 for section in "$@"; do
     set +e
-    ("section_$section")
+    ("section_${section//-/_}")
     rc=$?
     set -e
     if ((rc != 0)); then

@@ -35,6 +35,7 @@ def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
     _long_prefill_flags(fit.knobs, draft)
     expert_parallel = _expert_parallel_flag(problem, fit, draft)
     _model_flags(problem, draft)
+    _moe_backend_flag(problem, draft)
     _speculative_flag(problem, fit, draft)
     _warnings(problem, fit, draft)
     return assemble(problem, endpoint, fit, draft, expert_parallel=expert_parallel)
@@ -171,6 +172,20 @@ def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> bool:
     elif model.is_moe:
         draft.reasons["expert-parallel"] = "off: at small batches TP-sliced experts keep all-to-all traffic down"
     return expert_parallel
+
+
+def _moe_backend_flag(problem: Problem, draft: Draft) -> None:
+    """Unquantized experts: vLLM 0.21 picks FlashInfer's CUTLASS MoE for them, and on a host without
+    flashinfer's ahead-of-time kernel cache (the runtime does not install it: gigabytes) that engine made
+    no progress for minutes after torch.compile on an H200; with Triton's fused MoE the same model served
+    after ~35 s (docs/gpu-e2e.md). Quantized experts have their own kernel choice and are left to vLLM."""
+    model = problem.model
+    if model.is_moe and model.quantization is None:
+        draft.flags.append(Flag(
+            "--moe-backend", "triton",
+            "unquantized experts: Triton's fused MoE is ready at once; FlashInfer's CUTLASS MoE (vLLM's pick) "
+            "builds its kernels on the first start, past the start window (docs/gpu-e2e.md)",
+        ))
 
 
 def _model_flags(problem: Problem, draft: Draft) -> None:

@@ -343,3 +343,18 @@ def test_tp_divides_heads_for_any_shape(heads, kv, count):
         return
     tp = result.tensor_parallel_size
     assert heads % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+
+
+def test_unquantized_experts_run_on_triton_and_quantized_ones_are_left_to_vllm():
+    h100 = parse_gpu_spec("H100:1")
+    result = plan(MLA_MOE, h100)
+    assert MLA_MOE.quantization is None and flag(result.argv, "--moe-backend") == "triton"
+    assert "CUTLASS" in result.reasons["--moe-backend"]
+    fp8_quantization = catalog.get("deepseek-ai/DeepSeek-V3").config["quantization_config"]
+    fp8_config = {**MLA_MOE_CONFIG, "quantization_config": fp8_quantization}
+    fp8 = spec_from_config(fp8_config, name="mla-moe-fp8", weight_bytes=None, weight_bytes_source="", source="test")
+    assert fp8.quantization == "fp8" and "--moe-backend" not in plan(fp8, h100).argv
+    assert "--moe-backend" not in plan(LLAMA_8B, h100).argv
+    overridden = plan(MLA_MOE, h100, overrides=["--moe-backend", "flashinfer_cutlass"])
+    assert overridden.argv[-2:] == ["--moe-backend", "flashinfer_cutlass"]
+    assert overridden.argv.count("--moe-backend") == 1

@@ -17,6 +17,28 @@ def test_llama_8b_shape_has_the_published_parameter_count():
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)  # 8 KV heads x 128
 
 
+def test_deepseek_v3_tensors_add_up_to_the_published_parameter_count():
+    # DeepSeek-V3's 61 layers (3 dense) and 256 routed experts: the technical report's 671 B parameters
+    # of the main model (the multi-token-prediction module's 14 B are not written).
+    full = make_model.MlaMoeShape(num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256)
+    shapes = make_model.tensor_shapes(full)
+    assert sum(make_model._numel(d) for d in shapes.values()) == 671_026_419_200
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (18432, 7168)
+    assert "model.layers.2.mlp.gate.weight" not in shapes
+    assert shapes["model.layers.3.mlp.experts.255.down_proj.weight"] == (7168, 2048)
+    assert shapes["model.layers.60.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 7168)
+
+
+def test_the_one_gpu_mla_shape_is_what_its_config_describes():
+    shape = make_model.SHAPES["deepseek-v3-4l"]
+    config = shape.config()
+    assert (config["architectures"], config["num_hidden_layers"], config["n_routed_experts"]) == (
+        ["DeepseekV3ForCausalLM"], 4, 32)
+    shapes = make_model.tensor_shapes(shape)
+    assert [f"model.layers.{i}.mlp.gate.weight" in shapes for i in range(4)] == [False, True, True, True]
+    assert 14e9 < 2 * sum(make_model._numel(d) for d in shapes.values()) < 15e9
+
+
 def test_shards_stay_under_the_limit_and_keep_every_tensor_once():
     shapes = make_model.tensor_shapes(make_model.SHAPES["llama-3.1-70b-16l"])
     groups = make_model.plan_shards(shapes, make_model.SHARD_BYTES)
