@@ -12,13 +12,16 @@ class Workload:
     # Fewest sequences at max_model_len a plan may hold; below it the planner refuses (a cache for one
     # sequence serves chat one user at a time, and the reserve estimate's error can take it away).
     min_concurrency: int = 1
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
     prefix_caching: bool = False
     fp8_kv: bool = False
-    speculative: bool = False
     expert_parallel: bool = False
     why: str
+    # Speed flags that win on some hosts and lose on others (the H200 run of docs/benchmarks.md: a
+    # --max-num-seqs cap halved throughput at 64 users, an n-gram draft accepted nothing). No plan sets them
+    # unmeasured: `kimi-service tune` tries these first for this workload and keeps what measured a win.
+    trial_max_num_seqs: int | None = None
+    trial_batched_tokens: int | None = None
+    trial_speculative: bool = False
 
 
 PROFILES: dict[str, Workload] = {
@@ -31,31 +34,31 @@ PROFILES: dict[str, Workload] = {
             name="shared-prefix",
             target_concurrency=8,
             min_concurrency=2,
-            max_num_batched_tokens=16384,
+            trial_batched_tokens=16384,
             prefix_caching=True,
             why="many requests share a long system prompt or documents: cache and reuse their KV",
         ),
         Workload(
             name="long-context",
             target_concurrency=1,
-            max_num_seqs=16,
+            trial_max_num_seqs=16,
             fp8_kv=True,
             why="few very long sequences: the whole native context, KV cache as large as possible",
         ),
         Workload(
             name="latency",
             target_concurrency=2,
-            max_num_seqs=32,
-            max_num_batched_tokens=4096,
-            speculative=True,
+            trial_max_num_seqs=32,
+            trial_batched_tokens=4096,
+            trial_speculative=True,
             why="lowest time per token for few users: small batches, speculative decoding when a draft exists",
         ),
         Workload(
             name="throughput",
             target_concurrency=32,
             min_concurrency=4,
-            max_num_seqs=512,
-            max_num_batched_tokens=16384,
+            trial_max_num_seqs=512,
+            trial_batched_tokens=16384,
             fp8_kv=True,
             expert_parallel=True,
             why="many concurrent requests: large batches, as many sequences as the KV cache holds",

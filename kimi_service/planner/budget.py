@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kimi_service.catalog import Speculative
 from kimi_service.hardware import GIB, GpuInventory
 from kimi_service.model import ModelSpec
 
@@ -74,7 +73,7 @@ class Knobs:
     max_num_seqs: int | None
     batched_tokens: int | None
     enforce_eager: bool
-    speculative: Speculative | None
+    draft: bool  # a speculative draft model runs beside the target (--speculative-config): its memory is reserved
     expert_parallel: bool
     long_prefill: bool = False  # dual chunk attention past 131,072 tokens: the model card's prefill chunks
 
@@ -156,7 +155,7 @@ def memory_budget(model: ModelSpec, gpus: GpuInventory, parallel: Parallelism, k
     comm = (COMM_BYTES if parallel.gpus > 1 else 0) + (EP_COMM_BYTES if parallel.data > 1 else 0)
     extra = (
         (ENCODER_BYTES if model.multimodal else 0)
-        + (DRAFT_BYTES if knobs.speculative else 0)
+        + (DRAFT_BYTES if knobs.draft else 0)
         + (MLA_RESERVE_BYTES if model.attention == "mla" else 0)
     )
     kv = usable - weights - activation - graphs - NON_TORCH_BYTES - comm - extra

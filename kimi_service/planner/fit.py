@@ -123,18 +123,14 @@ def knobs_for(problem: Problem) -> Knobs:
     kv_dtype = (
         overrides.get("--kv-cache-dtype") or problem.kv_dtype or ("fp8" if profile.fp8_kv and gpus.fp8 else "auto")
     )
-    entry = problem.entry
-    speculative = (
-        entry.speculative if entry and profile.speculative and "--speculative-config" not in overrides else None
-    )
     return Knobs(
         utilization=overrides.fraction("--gpu-memory-utilization") or GPU_MEMORY_UTILIZATION,
         kv_dtype=kv_dtype,
         kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 0,
-        max_num_seqs=overrides.integer("--max-num-seqs") or profile.max_num_seqs,
-        batched_tokens=overrides.integer("--max-num-batched-tokens") or profile.max_num_batched_tokens,
+        max_num_seqs=overrides.integer("--max-num-seqs"),
+        batched_tokens=overrides.integer("--max-num-batched-tokens"),
         enforce_eager="--enforce-eager" in overrides,
-        speculative=speculative,
+        draft="--speculative-config" in overrides,
         expert_parallel=profile.expert_parallel and model.is_moe,
     )
 
@@ -204,8 +200,7 @@ def try_fit(problem: Problem) -> Fit | None:
     knobs = knobs_for(problem)
     fitting: list[Fit] = []
     for parallel in candidates(problem):
-        these = knobs if not (knobs.speculative and parallel.pipeline > 1) else replace(knobs, speculative=None)
-        fit = fit_group(problem, parallel, these)
+        fit = fit_group(problem, parallel, knobs)
         if fit is None:
             continue
         fitting.append(fit)

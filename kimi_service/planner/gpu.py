@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 from kimi_service import catalog
 from kimi_service.hardware import GIB, GpuInventory
 from kimi_service.planner.budget import Knobs
 from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
 from kimi_service.planner.fit import Fit, Problem, needs_expert_parallel
 from kimi_service.planner.render import gib
-from kimi_service.workloads import Workload
 
 FRAGILE_KV_BYTES = 2 * GIB  # less KV than this is within the reserve estimate's error
 
@@ -31,12 +28,12 @@ def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
     _parallel_flags(problem, fit, draft)
     _length_flag(problem, fit, draft)
     _memory_flags(fit, draft)
-    _workload_flags(problem.profile, draft)
+    _workload_flags(problem, draft)
     _long_prefill_flags(fit.knobs, draft)
     expert_parallel = _expert_parallel_flag(problem, fit, draft)
     _model_flags(problem, draft)
     _moe_backend_flag(problem, draft)
-    _speculative_flag(problem, fit, draft)
+    _speculative_reason(problem, fit, draft)
     _warnings(problem, fit, draft)
     return assemble(problem, endpoint, fit, draft, expert_parallel=expert_parallel)
 
@@ -130,17 +127,20 @@ def _memory_flags(fit: Fit, draft: Draft) -> None:
     draft.reasons.update((key, why) for key, why in fit.notes if not key.startswith("--"))
 
 
-def _workload_flags(profile: Workload, draft: Draft) -> None:
+def _workload_flags(problem: Problem, draft: Draft) -> None:
+    """Only flags that cannot lose; the workload's speed guesses are left to vLLM until measured."""
+    profile = problem.profile
     if profile.prefix_caching:
         draft.flags.append(
             Flag("--enable-prefix-caching", None, "shared prompt prefixes are computed once and reused")
         )
-    if profile.max_num_seqs:
-        draft.flags.append(Flag("--max-num-seqs", str(profile.max_num_seqs), f"{profile.name}: {profile.why}"))
-    if profile.max_num_batched_tokens:
-        draft.flags.append(
-            Flag("--max-num-batched-tokens", str(profile.max_num_batched_tokens), f"{profile.name}: {profile.why}")
-        )
+    tried = {"max-num-seqs": profile.trial_max_num_seqs, "max-num-batched-tokens": profile.trial_batched_tokens}
+    for name, value in tried.items():
+        if value and f"--{name}" not in problem.overrides:
+            draft.reasons[name] = (
+                f"vLLM's default: {value} ({profile.name}: {profile.why}) can lose on some hosts; "
+                "`kimi-service tune` sets it when it measures a win here"
+            )
 
 
 def _long_prefill_flags(knobs: Knobs, draft: Draft) -> None:
@@ -195,23 +195,20 @@ def _model_flags(problem: Problem, draft: Draft) -> None:
         draft.warnings.append(f"{entry.repo_id} is not known to run on {found} GPUs ({gpus.name}) with vLLM")
 
 
-def _speculative_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
-    assert fit.knobs is not None
-    spec = fit.knobs.speculative
-    if spec:
-        config = json.dumps(
-            {"model": spec.model, "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
-            separators=(",", ":"),
-        )
-        draft.flags.append(
-            Flag("--speculative-config", config, f"latency: {spec.method} draft {spec.model} ({spec.source})")
-        )
-    elif problem.profile.speculative:
-        draft.reasons["speculative"] = (
-            "off: speculative decoding does not combine with pipeline parallelism"
-            if fit.parallel.pipeline > 1
-            else "off: no published draft model for this model in the catalog"
-        )
+def _speculative_reason(problem: Problem, fit: Fit, draft: Draft) -> None:
+    """Speculative decoding wins only when its draft is accepted often enough, which depends on the traffic:
+    never on unmeasured; an operator's --speculative-config (or the tuner's) is an override."""
+    if not problem.profile.trial_speculative or "--speculative-config" in problem.overrides:
+        return
+    entry = problem.entry
+    draft.reasons["speculative"] = (
+        "off: speculative decoding does not combine with pipeline parallelism"
+        if fit.parallel.pipeline > 1
+        else "off: no published draft model for this model in the catalog"
+        if not (entry and entry.speculative)
+        else f"off until measured: `kimi-service tune` tries the {entry.speculative.method} draft "
+        f"{entry.speculative.model} ({entry.speculative.source}) and keeps it only when it wins here"
+    )
 
 
 def _warnings(problem: Problem, fit: Fit, draft: Draft) -> None:

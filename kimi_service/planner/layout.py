@@ -106,11 +106,8 @@ def _with_kv_dtype(problem: Problem, group: Parallelism | None) -> Fit | None:
     if fit is None:
         fp8 = _fit_layout(fp8_problem, group)
     else:
-        # The BF16 fit's group and knobs (speculative decoding off under PP), so FP8 buys context and
-        # sequences, not fewer GPUs.
-        assert fit.knobs is not None
-        knobs = replace(knobs_for(fp8_problem), speculative=fit.knobs.speculative)
-        fp8 = fit_group(fp8_problem, fit.parallel, knobs)
+        # The BF16 fit's group, so FP8 buys context and sequences, not fewer GPUs.
+        fp8 = fit_group(fp8_problem, fit.parallel, knobs_for(fp8_problem))
         fp8 = fp8 if fp8 is None else replace(fp8, choice=fit.choice, notes=fit.notes)
     if fp8 is None or (fit is not None and (fp8.max_model_len, fp8.max_concurrency) <= (fit.max_model_len,
                                                                                          fit.max_concurrency)):

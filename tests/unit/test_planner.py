@@ -13,7 +13,8 @@ from kimi_service.errors import UsageError
 from kimi_service.hardware import GIB, KNOWN_GPUS, GpuInventory, inventory_of, parse_gpu_spec
 from kimi_service.model import inspect_model, spec_from_catalog, spec_from_config
 from kimi_service.planner import DoesNotFit, plan, valid_tensor_parallel
-from kimi_service.planner.budget import MLA_RESERVE_BYTES
+from kimi_service.planner.budget import DRAFT_BYTES, MLA_RESERVE_BYTES
+from kimi_service.workloads import PROFILES, WORKLOADS
 
 KIMI = inspect_model("moonshotai/Kimi-K2.5")
 LLAMA_8B = inspect_model("meta-llama/Llama-3.1-8B-Instruct")
@@ -182,18 +183,32 @@ def test_fp8_block_experts_that_tp_cannot_split_get_expert_parallel():
     assert "--enable-expert-parallel" in result.argv
 
 
-def test_workloads_change_the_flags():
-    gpus = parse_gpu_spec("H100-SXM:1")
-    shared = plan(LLAMA_8B, gpus, workload="shared-prefix")
-    assert (
-        "--enable-prefix-caching" in shared.argv and flag(shared.argv, "--max-num-batched-tokens") == "16384"
-    )
-    throughput = plan(LLAMA_8B, gpus, workload="throughput")
-    assert flag(throughput.argv, "--max-num-seqs") == "512"
-    latency = plan(LLAMA_8B, gpus, workload="latency")
-    config = json.loads(flag(latency.argv, "--speculative-config"))
-    assert config["method"] == "eagle3" and config["model"] == catalog.get(LLAMA_8B.name).speculative.model
-    assert "--speculative-config" not in plan(LLAMA_70B, parse_gpu_spec("H200:2"), workload="latency").argv
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_no_workload_sets_a_speed_flag_that_can_lose_until_measured(workload):
+    result = plan(LLAMA_8B, parse_gpu_spec("H100-SXM:1"), workload=workload)
+    for losing in ("--max-num-seqs", "--max-num-batched-tokens", "--speculative-config"):
+        assert losing not in result.argv
+    profile = PROFILES[workload]
+    for name, value in (("max-num-seqs", profile.trial_max_num_seqs),
+                        ("max-num-batched-tokens", profile.trial_batched_tokens)):
+        assert (value is None) == (name not in result.reasons)
+        if value:
+            assert f"{value}" in result.reasons[name] and "kimi-service tune" in result.reasons[name]
+    assert ("--enable-prefix-caching" in result.argv) == profile.prefix_caching
+
+
+def test_latency_names_the_draft_the_tuner_tries_and_an_operators_draft_gets_its_memory():
+    h100 = parse_gpu_spec("H100-SXM:1")
+    latency = plan(LLAMA_8B, h100, workload="latency")
+    draft = catalog.get(LLAMA_8B.name).speculative
+    assert draft.method == "eagle3" and draft.model in latency.reasons["speculative"]
+    spanning = plan(KIMI, parse_gpu_spec("A100-SXM4-80GB:8"), nodes=2, workload="latency")
+    assert spanning.pipeline_parallel_size == 2 and "pipeline" in spanning.reasons["speculative"]
+    config = json.dumps({"model": draft.model, "method": draft.method, "num_speculative_tokens": 3})
+    asked = plan(LLAMA_8B, h100, workload="latency", overrides=["--speculative-config", config])
+    assert asked.argv[-2:] == ["--speculative-config", config] and "speculative" not in asked.reasons
+    assert asked.budget.extra_bytes - latency.budget.extra_bytes == DRAFT_BYTES
+    assert asked.kv_cache_tokens < latency.kv_cache_tokens
 
 
 def test_unknown_workload_is_a_usage_error():
