@@ -1,6 +1,8 @@
-"""`kimi-service bench`: a concurrency sweep against an OpenAI-compatible streaming endpoint.
+"""`kimi-service bench`: a concurrency or request-rate sweep against an OpenAI-compatible streaming endpoint.
 
-For each concurrency level a closed loop of that many clients sends the same prompt set; per request
+For each concurrency level a closed loop of that many clients sends the same prompt set; for each request
+rate (open loop) the requests arrive as a Poisson process of that rate, whatever is still in flight, so
+latency under load includes the time spent queued; per request
 it records time to first token (TTFT), the gaps between streamed tokens (ITL), time per output token
 (TPOT) and end-to-end latency. Per level it reports percentiles, output tokens/s, requests/s, errors
 and goodput (requests/s that met every SLO). Prompts are made to exact token lengths with the
@@ -97,7 +99,7 @@ class Distribution:
 
 @dataclass
 class LevelResult:
-    concurrency: int
+    concurrency: int  # closed loop: the clients; open loop: the most requests that were in flight at once
     requests: int
     errors: int
     duration_s: float
@@ -111,6 +113,7 @@ class LevelResult:
     tpot_s: Distribution
     e2e_s: Distribution
     error_samples: list[str]
+    request_rate: float | None = None  # requests/s offered (open loop); None for a closed loop
 
 
 @dataclass
@@ -139,7 +142,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(concurrency: int, results: Sequence[RequestResult], duration_s: float, slo: Slo) -> LevelResult:
+def summarize(
+    concurrency: int, results: Sequence[RequestResult], duration_s: float, slo: Slo, request_rate: float | None = None
+) -> LevelResult:
     good = [r for r in results if r.ok]
     duration_s = max(duration_s, 1e-9)
     output_tokens = sum(r.output_tokens for r in good)
@@ -158,6 +163,7 @@ def summarize(concurrency: int, results: Sequence[RequestResult], duration_s: fl
         tpot_s=Distribution.of([t for r in good if (t := r.tpot) is not None]),
         e2e_s=Distribution.of([r.e2e for r in good]),
         error_samples=sorted({r.error for r in results if r.error})[:5],
+        request_rate=request_rate,
     )
 
 
@@ -362,6 +368,44 @@ async def run_level(
     return results, time.perf_counter() - start
 
 
+def arrival_gaps(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds before each of `count` requests of a Poisson process of `rate` requests/s (the first at 0)."""
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(rate) for _ in range(count - 1)]
+
+
+async def run_open_level(
+    client: httpx.AsyncClient,
+    path: str,
+    bodies: Sequence[dict[str, Any]],
+    gaps: Sequence[float],
+    on_done: Callable[[], None] = lambda: None,
+) -> tuple[list[RequestResult], float, int]:
+    """Send body i after gaps[i] more seconds, none waiting for another; returns results, wall time and the
+    most requests in flight at once."""
+    in_flight = peak = 0
+
+    async def one(body: dict[str, Any]) -> RequestResult:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await send_request(client, path, body)
+        finally:
+            in_flight -= 1
+            on_done()
+
+    start = time.perf_counter()
+    due = start
+    tasks = []
+    for body, gap in zip(bodies, gaps, strict=True):
+        due += gap
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(body)))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - start, peak
+
+
 class Progress:
     """A one-line progress bar on stderr (silent when stderr is not a terminal)."""
 
@@ -392,7 +436,7 @@ class Progress:
 class BenchSettings:
     url: str
     model: str
-    concurrency: list[int]
+    concurrency: list[int]  # closed-loop levels; not used when request_rates is given
     input_len: int
     output_len: int
     prompts: int
@@ -405,10 +449,13 @@ class BenchSettings:
     tokenizer: str | None = None
     timeout_s: float = 600.0
     seed: int = 0
+    request_rates: list[float] = field(default_factory=list)  # open-loop levels, requests/s
 
     def validate(self) -> None:
-        if not self.concurrency or any(c < 1 for c in self.concurrency):
+        if not self.request_rates and (not self.concurrency or any(c < 1 for c in self.concurrency)):
             raise UsageError("--concurrency: a comma-separated list of positive integers, e.g. 1,4,16,64")
+        if any(not (0 < rate < math.inf) for rate in self.request_rates):
+            raise UsageError("--request-rate: a comma-separated list of positive requests/s, e.g. 1,2,4.5")
         for name in ("input_len", "output_len", "prompts"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -452,7 +499,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
     base = settings.url.rstrip("/")
     with httpx.Client(base_url=base, headers=headers, timeout=30) as probe:
         tokenizer = Tokenizer(_tokenizer_source(settings, probe))
-    count = max(settings.prompts, max(settings.concurrency))
+    count = settings.prompts if settings.request_rates else max(settings.prompts, max(settings.concurrency))
     system, prompts = make_prompts(tokenizer, count, settings.input_len, settings.shared_prefix_len, settings.seed)
     bodies = [_request_body(settings.api, settings.model, system, p, settings.output_len) for p in prompts]
     path = "/v1/chat/completions" if settings.api == "chat" else "/v1/completions"
@@ -468,7 +515,14 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
             if not warmup.ok:
                 raise KimiError(f"the warm-up request to {base}{path} failed: {warmup.error}")
             levels = []
-            for concurrency in settings.concurrency:
+            for index, rate in enumerate(settings.request_rates):
+                bar = Progress(len(bodies), f"{rate:g} requests/s")
+                gaps = arrival_gaps(len(bodies), rate, settings.seed + index)
+                results, duration, peak = await run_open_level(
+                    client, path, bodies, gaps, bar.advance if progress else (lambda: None)
+                )
+                levels.append(summarize(peak, results, duration, settings.slo, request_rate=rate))
+            for concurrency in [] if settings.request_rates else settings.concurrency:
                 batch = bodies[: max(settings.prompts, concurrency)]
                 bar = Progress(len(batch), f"concurrency {concurrency:>3}")
                 results, duration = await run_level(
@@ -492,7 +546,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
 def format_table(report: BenchReport) -> str:
     ms = 1000.0
     header = (
-        f"{'conc':>4} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} {'goodput':>8} "
+        f"{'rate/s':>6} {'conc':>4} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} {'goodput':>8} "
         f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'TPOT p50':>9} "
         f"{'E2E p50':>8} {'p99':>8}"
     )
@@ -504,8 +558,9 @@ def format_table(report: BenchReport) -> str:
         "-" * len(header),
     ]
     for lv in report.levels:
+        rate = "closed" if lv.request_rate is None else f"{lv.request_rate:g}"
         lines.append(
-            f"{lv.concurrency:>4} {lv.requests:>5} {lv.errors:>4} {lv.output_tokens_per_s:>10.1f} "
+            f"{rate:>6} {lv.concurrency:>4} {lv.requests:>5} {lv.errors:>4} {lv.output_tokens_per_s:>10.1f} "
             f"{lv.requests_per_s:>7.2f} {lv.goodput_requests_per_s:>8.2f} "
             f"{lv.ttft_s.p50 * ms:>9.1f} {lv.ttft_s.p90 * ms:>8.1f} {lv.ttft_s.p99 * ms:>8.1f} "
             f"{lv.itl_s.p50 * ms:>8.1f} {lv.itl_s.p99 * ms:>8.1f} {lv.tpot_s.p50 * ms:>9.1f} "
@@ -515,8 +570,9 @@ def format_table(report: BenchReport) -> str:
     if slo.ttft is not None or slo.itl is not None:
         lines.append(f"goodput: requests/s with TTFT <= {slo.ttft} s and every ITL <= {slo.itl} s")
     for lv in report.levels:
+        level = f"concurrency {lv.concurrency}" if lv.request_rate is None else f"{lv.request_rate:g} requests/s"
         for sample in lv.error_samples:
-            lines.append(f"error at concurrency {lv.concurrency}: {sample}")
+            lines.append(f"error at {level}: {sample}")
     return "\n".join(lines)
 
 
@@ -528,14 +584,16 @@ def write_plot(report: BenchReport, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise KimiError("--plot needs matplotlib (pip install matplotlib)") from None
-    conc = [lv.concurrency for lv in report.levels]
+    open_loop = any(lv.request_rate is not None for lv in report.levels)
+    xs = [(lv.request_rate if open_loop else lv.concurrency) for lv in report.levels]
+    xlabel = "requests/s offered" if open_loop else "concurrency"
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(conc, [lv.output_tokens_per_s for lv in report.levels], marker="o")
-    left.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
-    right.plot(conc, [lv.ttft_s.p99 for lv in report.levels], marker="o", color="tab:red")
-    right.set(xscale="log", xlabel="concurrency", ylabel="seconds", title="TTFT p99")
+    left.plot(xs, [lv.output_tokens_per_s for lv in report.levels], marker="o")
+    left.set(xscale="log", xlabel=xlabel, ylabel="output tokens/s", title="Throughput")
+    right.plot(xs, [lv.ttft_s.p99 for lv in report.levels], marker="o", color="tab:red")
+    right.set(xscale="log", xlabel=xlabel, ylabel="seconds", title="TTFT p99")
     for axis in (left, right):
-        axis.set_xticks(conc, [str(c) for c in conc])
+        axis.set_xticks(xs, [f"{x:g}" for x in xs])
         axis.grid(True, alpha=0.3)
     fig.suptitle(f"{report.model}: input {report.input_len}, output {report.output_len} tokens")
     fig.tight_layout()

@@ -40,6 +40,13 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _env_file_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", type=Path, metavar="FILE",
                         help="systemd environment file to read VLLM_API_KEY from when the environment lacks it "
@@ -120,7 +127,11 @@ def _add_bench(commands) -> None:
     bench.add_argument("--api-key-env", metavar="VAR", default="VLLM_API_KEY",
                        help="environment variable holding the API key (default VLLM_API_KEY)")
     _env_file_arg(bench)
-    bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
+    bench.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64],
+                       help="closed-loop levels: that many clients each, e.g. 1,4,16,64")
+    bench.add_argument("--request-rate", type=_float_list, default=[], metavar="RATES",
+                       help="open-loop levels instead: Poisson arrivals at each rate in requests/s, e.g. 1,2,4 "
+                       "(--prompts requests per level, sent whether or not earlier ones finished)")
     bench.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
     bench.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     bench.add_argument("--prompts", type=int, default=64, help="requests per concurrency level")
@@ -142,7 +153,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         url=args.url, model=args.model, api_key=_secret(args, args.api_key_env),
         api_key_env=args.api_key_env, concurrency=args.concurrency, input_len=args.input_len,
         output_len=args.output_len, prompts=args.prompts, shared_prefix_len=args.shared_prefix_len, api=args.api,
-        slo=bench.Slo.parse(args.slo), tokenizer=args.tokenizer, seed=args.seed,
+        slo=bench.Slo.parse(args.slo), tokenizer=args.tokenizer, seed=args.seed, request_rates=args.request_rate,
     )
     report = bench.run_bench(settings)
     print(bench.format_table(report))

@@ -13,7 +13,9 @@
 #   wait       wait for the latest background run to end
 #   rerun      site.yml again (changed=0 expected), kimi-service health --json, a scrape of the exporter
 #   bench      playbooks/bench.yml at concurrency 1, 16, 64 through the deployed endpoint, then vLLM's
-#              defaults (`vllm serve MODEL`, nothing else) from the same venv on the same GPU, swept alike
+#              defaults (`vllm serve MODEL`, nothing else) from the same venv on the same GPU, swept alike;
+#              the deployed engine stays stopped (the next converge starts it; or section serve-again)
+#   serve-again  start the deployed engine again and wait until it serves
 #   kill       kill -9 of vLLM: seconds until the endpoint serves again under supervisord
 #   moe        the MLA + MoE shape (make_model.py --shape deepseek-v3-4l) through site.yml in place of the
 #              Llama model, in the background: the planner's KV tokens against vLLM's
@@ -116,12 +118,6 @@ wait_deployed_ready() {  # SINCE LIMIT: until serve's readiness port says ready,
     done
 }
 
-serve_deployed_again() {
-    "${SUPERVISORCTL[@]}" start kimi-vllm
-    local started=$SECONDS
-    wait_deployed_ready "$started" 400 || return 1
-    echo "the deployed engine serves again after $((SECONDS - started)) s"
-}
 
 section_prepare() {
     log "wheelhouse"
@@ -220,7 +216,6 @@ section_bench() {
         tail -30 "$RESULTS/vllm-default.log"
     fi
     stop_group "$pid"
-    serve_deployed_again
     "$PYTHON" - "$RESULTS/bench-deployed/gpu0/bench.json" "$RESULTS/bench-default.json" <<'PY' \
         | tee "$RESULTS/bench-table.md"
 import json, sys
@@ -241,6 +236,13 @@ for conc in sorted(set(deployed) | set(default)):
     itl = lambda x: f"{1000 * x['itl_s']['p50']:.1f}" if x else "-"
     print(f"| {conc} | {tok(d) or 0:.0f} | {tok(v) or 0:.0f} | {ratio} | {ttft(d)} | {ttft(v)} | {itl(d)} | {itl(v)} |")
 PY
+}
+
+section_serve_again() {
+    "${SUPERVISORCTL[@]}" start kimi-vllm
+    local started=$SECONDS
+    wait_deployed_ready "$started" 400 || return 1
+    echo "the deployed engine serves again after $((SECONDS - started)) s"
 }
 
 section_moe() {

@@ -83,12 +83,13 @@ def _bench(served: Served, *args: str, key: str, timeout: float = 600) -> subpro
 
 
 def _table_rows(stdout: str) -> list[list[str]]:
+    """The table's rows after its first column (the offered rate, `closed` for a closed loop)."""
     lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("conc ")) + 2
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rate/s", "conc"]) + 2
     rows = []
     for line in lines[start:]:
         cells = line.split()
-        if not cells or not cells[0].isdigit():
+        if not cells or not cells[1].isdigit():
             break
         rows.append(cells)
     return rows
@@ -134,8 +135,9 @@ def test_one_level_per_concurrency_with_exact_counts(
 def test_table_matches_the_json(sweep: Sweep) -> None:
     levels = sweep.report["levels"]
     assert len(sweep.table_rows) == len(levels) == len(CONCURRENCY)
-    for cells, level in zip(sweep.table_rows, levels, strict=True):
-        assert len(cells) == 14, cells
+    for row, level in zip(sweep.table_rows, levels, strict=True):
+        assert len(row) == 15 and row[0] == "closed", row
+        cells = row[1:]
         assert [int(c) for c in cells[:3]] == [level["concurrency"], level["requests"], level["errors"]]
         shown = [float(c) for c in cells[3:]]
         expected = [
@@ -159,6 +161,17 @@ def test_answers_without_visible_text_still_count(served: Served, tmp_path: Path
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
     (level,) = json.loads((tmp_path / "bench.json").read_text())["levels"]
     assert (level["requests"], level["errors"], level["output_tokens"]) == (32, 0, 32 * 32)
+
+
+def test_an_open_loop_level_sends_every_request_at_its_rate(served: Served, tmp_path: Path) -> None:
+    result = _bench(served, "--request-rate", "4", "--prompts", "6", "--input-len", str(INPUT_LEN),
+                    "--output-len", str(OUTPUT_LEN), "--json", str(tmp_path / "bench.json"), key=served.api_key)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
+    (level,) = json.loads((tmp_path / "bench.json").read_text())["levels"]
+    assert level["request_rate"] == 4 and (level["requests"], level["errors"]) == (6, 0)
+    assert level["output_tokens"] == 6 * OUTPUT_LEN and 1 <= level["concurrency"] <= 6
+    (row,) = _table_rows(result.stdout)
+    assert row[:4] == ["4", str(level["concurrency"]), "6", "0"]
 
 
 def test_plot_is_a_png(sweep: Sweep) -> None:

@@ -1,14 +1,32 @@
-"""The statistics and argument handling of `kimi-service bench` (the sweep itself runs in tests/engine)."""
+"""The statistics and argument handling of `kimi-service bench`, and the open loop's schedule against a local
+HTTP server that streams like an engine (the sweep against vLLM itself runs in tests/engine)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+import statistics
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kimi_service.bench import BenchSettings, RequestResult, Slo, percentile, summarize
+from kimi_service.bench import (
+    BenchReport,
+    BenchSettings,
+    RequestResult,
+    Slo,
+    arrival_gaps,
+    format_table,
+    percentile,
+    run_open_level,
+    summarize,
+)
 from kimi_service.errors import UsageError
 
 
@@ -63,3 +81,67 @@ def test_settings_reject_bad_values():
                    {"shared_prefix_len": -1}):
         with pytest.raises(UsageError):
             BenchSettings(**{**base, **change}).validate()
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    gaps = arrival_gaps(4000, rate=8.0, seed=3)
+    assert gaps[0] == 0.0 and len(gaps) == 4000
+    assert gaps == arrival_gaps(4000, rate=8.0, seed=3) != arrival_gaps(4000, rate=8.0, seed=4)
+    assert statistics.mean(gaps[1:]) == pytest.approx(1 / 8, rel=0.05)
+    # Exponential gaps: the standard deviation equals the mean (a fixed pacing would have none).
+    assert statistics.stdev(gaps[1:]) == pytest.approx(1 / 8, rel=0.1)
+
+
+class SlowStream(BaseHTTPRequestHandler):
+    """Streams three chat chunks over SERVICE_S seconds, like an engine that takes that long per request."""
+
+    SERVICE_S = 0.4
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for word in ("a", "b", "c"):
+            time.sleep(self.SERVICE_S / 3)
+            chunk = {"choices": [{"index": 0, "delta": {"content": word}}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}\n\n')
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_open_loop_sends_on_schedule_whatever_is_in_flight():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    gaps = [0.0, 0.1, 0.1, 0.1]
+
+    async def level() -> tuple[list, float, int]:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            return await run_open_level(client, "/v1/chat/completions", [{"n": i} for i in range(4)], gaps)
+
+    try:
+        results, duration, peak = asyncio.run(level())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r.ok for r in results] == [True] * 4 and sum(r.output_tokens for r in results) == 12
+    # A closed loop of one client would take 4 x 0.4 s; arrivals every 0.1 s overlap all four.
+    assert peak == 4
+    assert sum(gaps) + SlowStream.SERVICE_S <= duration < 4 * SlowStream.SERVICE_S
+    level_result = summarize(peak, results, duration, Slo(), request_rate=10.0)
+    table = format_table(BenchReport(url=url, model="m", api="chat", input_len=8, output_len=3,
+                                     shared_prefix_len=0, slo=Slo(), levels=[level_result]))
+    assert table.splitlines()[-1].split()[:3] == ["10", "4", "4"]
+
+
+def test_request_rates_must_be_positive_and_finite():
+    base = dict(url="http://x", model="m", concurrency=[], input_len=8, output_len=8, prompts=4)
+    BenchSettings(**base, request_rates=[0.5, 2]).validate()
+    for rates in ([0.0], [-1.0], [math.inf]):
+        with pytest.raises(UsageError, match="request-rate"):
+            BenchSettings(**base, request_rates=rates).validate()
