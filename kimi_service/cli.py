@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(commands)
     _add_bench(commands)
     _add_serve(commands)
+    _add_tune(commands)
     _add_health(commands)
     _add_smoke(commands)
     _add_ctl(commands)
@@ -219,6 +220,61 @@ def _run_serve(args: argparse.Namespace) -> int:
             print("with plan.extra_env: " + ", ".join(plan["extra_env"]))
         return 0
     return launcher.serve(loaded)
+
+
+def _add_tune(commands) -> None:
+    tune = commands.add_parser(
+        "tune", help="measure speed flags on this host and keep only what beats the plan",
+        description="Start the engine once per candidate flag set (the service must be stopped: the GPU and "
+        "the API port are needed), sweep each with the workload, and write the winner to STATE_DIR/tuned.json, "
+        "which serve applies. A candidate below 0.98x the plan's tokens/s or goodput at any concurrency is "
+        "never applied. Measurements are kept as they finish: a second run resumes.",
+    )
+    _config_arg(tune)
+    tune.add_argument("--env-file", type=Path, metavar="FILE",
+                      help="secrets.env to read first (VLLM_API_KEY, HF_TOKEN), as serve does")
+    tune.add_argument("--user", metavar="NAME", help="started as root: become NAME after reading --env-file")
+    tune.add_argument("--budget", default="20m", help="time for all candidates, e.g. 20m, 1h (default 20m)")
+    tune.add_argument("--concurrency", type=_int_list, default=[1, 16, 64], help="closed-loop levels (1,16,64)")
+    tune.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (512)")
+    tune.add_argument("--output-len", type=int, default=128, help="output tokens per request (128)")
+    tune.add_argument("--prompts", type=int, default=32, help="requests per level, at least the level (32)")
+    tune.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of one shared system prompt")
+    tune.add_argument("--slo", default="ttft=1,itl=0.1", help="goodput objectives (default ttft=1,itl=0.1)")
+    tune.add_argument("--candidate", action="append", default=[], metavar="FLAGS",
+                      help="measure this flag set instead of the automatic ones (repeat for more), "
+                      "e.g. --candidate '--max-num-seqs 64'")
+    tune.add_argument("--status", action="store_true",
+                      help="measure nothing: exit 0 when tuned.json holds for this configuration and workload, "
+                      "3 when tuning would measure")
+    tune.set_defaults(handler=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from kimi_service import bench, config, tune
+    from kimi_service.launcher import identity
+
+    loaded = config.load_config(args.config)
+    if args.env_file:
+        identity.load_env_file(args.env_file)
+    if args.user:
+        identity.become_user(args.user, own_dirs=[loaded.paths.state_dir])
+    workload = tune.Workload(concurrency=tuple(args.concurrency), input_len=args.input_len,
+                             output_len=args.output_len, prompts=args.prompts,
+                             shared_prefix_len=args.shared_prefix_len, slo=bench.Slo.parse(args.slo))
+    bench.BenchSettings(url="", model="", concurrency=list(workload.concurrency), input_len=workload.input_len,
+                        output_len=workload.output_len, prompts=workload.prompts,
+                        shared_prefix_len=workload.shared_prefix_len).validate()
+    session = tune.Session(loaded, workload, tune.parse_duration(args.budget), args.candidate)
+    if args.status:
+        why = session.stale()
+        print(why or f"{session.tuned_path}: current for this configuration and workload")
+        return 3 if why else 0
+    outcome = session.run(api_key=_secret(args, "VLLM_API_KEY"))
+    print(tune.format_table(outcome))
+    print(f"applied: {' '.join(outcome.winner.candidate.flags) or 'the plan alone (nothing beat it)'}; "
+          f"written to {session.tuned_path}; restart the engine to serve with it")
+    return 0
 
 
 def _add_health(commands) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import json
+import os
 import re
 import sys
 import time
@@ -99,13 +101,54 @@ def report(args: argparse.Namespace) -> None:
         print("\nCPU: " + ", ".join(f"{name} {value:.0f}%" for name, value in shares.items() if value >= 0.5))
 
 
+def program_of(pid: str) -> str:
+    """A short name for what a process runs: vLLM's parts, Ansible's controller and modules, pytest, ..."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    if comm.startswith("VLLM::"):
+        return comm
+    text = b" ".join(argv[:4]).decode(errors="replace")
+    for needle, name in (("vllm.entrypoints", "vllm api_server"), ("kimi-service serve", "kimi-service serve"),
+                         ("kimi_service", "kimi-service other"), ("ansible-playbook", "ansible-playbook"),
+                         ("AnsiballZ", "ansible module"), ("pytest", "pytest"), ("pip", "pip"),
+                         ("exec(eval(sys.stdin", "pytest"), ("compileall", "pip")):
+        if needle in text:
+            return name
+    return comm
+
+
 def sample(out: Path, every: float) -> None:
+    """/proc/stat every `every` seconds into OUT; every second, each process's CPU time by program, whose
+    running totals (seconds) go to OUT.programs.json."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seen: dict[str, tuple[str, int]] = {}
+    totals: collections.Counter[str] = collections.Counter()
+    next_stat = 0.0
     with out.open("a") as log:
         while True:
-            with open("/proc/stat") as stat:
-                log.write(f"{int(time.time())} {stat.readline()}")
-            log.flush()
-            time.sleep(every)
+            now = time.time()
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                used = int(fields[11]) + int(fields[12])
+                name, before = seen.get(entry.name) or (program_of(entry.name), used)
+                totals[name] += (used - before) / ticks
+                seen[entry.name] = (name, used)
+            if now >= next_stat:
+                with open("/proc/stat") as stat:
+                    log.write(f"{int(now)} {stat.readline()}")
+                log.flush()
+                out.with_suffix(".programs.json").write_text(
+                    json.dumps({k: round(v, 1) for k, v in totals.most_common() if v >= 0.5}, indent=1))
+                next_stat = now + every
+            time.sleep(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kimi_service import hardware, planner
+from kimi_service import hardware, planner, tune
 from kimi_service import model as model_inspect
 from kimi_service import nvml as nvml_reader
 from kimi_service.config import ClusterConfig, Config, ConfigError
@@ -123,28 +123,45 @@ def discover(config: Config, nvml_module: ModuleType | None = None) -> hardware.
     return gpus
 
 
-def prepare(config: Config, nvml_module: ModuleType | None = None) -> Launch:
-    """config -> hardware -> model -> plan -> the exact child command line and environment."""
+def prepare(config: Config, nvml_module: ModuleType | None = None, *, apply_tuned: bool = True) -> Launch:
+    """config -> hardware -> model -> plan (plus the flags `kimi-service tune` measured to win here, unless
+    `apply_tuned` is off: what tune itself compares against) -> the exact child command line and environment."""
     if not config.model.path.is_dir():
         raise ConfigError(f"model.path: {config.model.path} is not a directory; fetch the weights first "
                           "(site.yml, weights stage) or point model.path at a model directory")
     gpus = discover(config, nvml_module)
     spec = model_inspect.inspect_model(str(config.model.path))
-    plan = planner.plan(
-        spec,
-        gpus,
-        nodes=config.plan.nodes,
-        workload=config.plan.workload,
-        max_model_len=config.plan.max_model_len,
-        overrides=config.plan.extra_args,
-        model_path=str(config.model.path),
-        served_model_name=config.model.served_name,
-        host=config.api.host,
-        port=config.api.port,
-    )
-    document = plan.to_json()
-    document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
-                     "hardware": gpus.describe()})
+
+    def plan_with(tuned: Sequence[str]) -> tuple[planner.Plan, dict[str, Any]]:
+        plan = planner.plan(
+            spec,
+            gpus,
+            nodes=config.plan.nodes,
+            workload=config.plan.workload,
+            max_model_len=config.plan.max_model_len,
+            overrides=[*tuned, *config.plan.extra_args],
+            model_path=str(config.model.path),
+            served_model_name=config.model.served_name,
+            host=config.api.host,
+            port=config.api.port,
+        )
+        document = plan.to_json()
+        document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
+                         "hardware": gpus.describe()})
+        return plan, document
+
+    plan, document = plan_with(())
+    measured = tune.read_tuned(config.paths.state_dir / tune.TUNED_FILE) if apply_tuned else None
+    if measured is not None:
+        flags, refused = tune.tuned_flags(measured, document, config)
+        if refused:
+            document["warnings"].append(refused)
+        elif flags:
+            plan, document = plan_with(flags)
+            document["reasons"].update({flag: why for flag, why in measured.get("reasons", {}).items()
+                                        if flag in flags})
+        document["tuned"] = {"winner": measured.get("winner"), "measured_at": measured.get("measured_at"),
+                             "applied": flags if not refused else []}
     if config.plan.extra_env:
         # Names only: plan.json is world-readable, and an operator's variable may hold a credential.
         document["extra_env"] = sorted(config.plan.extra_env)

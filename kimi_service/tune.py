@@ -1,0 +1,523 @@
+"""`kimi-service tune`: choose vLLM's speed flags by measuring them on this host, never applying one that lost.
+
+The plan alone sets what memory and correctness need and leaves speed to vLLM's defaults (planner/gpu.py).
+Tuning starts the engine once per candidate flag set, sweeps it with the operator's workload (`bench`'s
+closed loop at each concurrency, its exact-length prompts) and stops it:
+
+1. the plan as it is, the baseline;
+2. the plan plus one speed change each (the workload's trial values, a batch cap at the workload's
+   concurrency, CUDA graphs captured only up to it, async scheduling, FP8 KV where the GPU has it and the
+   cache is what bounds the workload, the catalog's draft model when its weights are on the host, or the
+   operator's own `--candidate` sets);
+3. every single change that won, together.
+
+A candidate wins only when it is at least `floor` (0.98) x the baseline in output tokens/s and in goodput
+at every concurrency, with no failed request, and beats the baseline's goodput (the geometric mean of the
+per-level ratios; tokens/s at a level where no request met the SLO) by more than the noise margin. The
+best winner is written to `tuned.json` in the state directory with each flag's measured reason; serve adds
+those flags to the plan while the file was measured for the same model, engine, GPUs, workload and
+operator flags, and ignores it otherwise. Each
+measurement is kept as it finishes, so an interrupted or over-budget run resumes where it stopped; the
+engine's compile caches are the service's own, so the winner's first start as a service reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kimi_service import bench, catalog
+from kimi_service.config import Config
+from kimi_service.engine_flags import check_extra_args, option_name
+from kimi_service.errors import KimiError, UsageError
+from kimi_service.files import write_atomic
+from kimi_service.workloads import PROFILES
+
+TUNED_FILE = "tuned.json"
+FLOOR = 0.98  # a candidate below this share of the baseline at any point loses
+NOISE = 0.02  # and must beat the baseline's summed goodput by more than this to win
+START_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    flags: tuple[str, ...]
+    why: str  # what the change is expected to buy
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.flags).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The traffic the winner must serve: bench's closed loop at each concurrency."""
+
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    input_len: int = 512
+    output_len: int = 128
+    prompts: int = 32
+    shared_prefix_len: int = 0
+    slo: bench.Slo = field(default_factory=lambda: bench.Slo(ttft=1.0, itl=0.1))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Workload:
+        return cls(**{**data, "concurrency": tuple(data["concurrency"]), "slo": bench.Slo(**data["slo"])})
+
+    def describe(self) -> str:
+        prefix = f" after a shared {self.shared_prefix_len}-token prompt" if self.shared_prefix_len else ""
+        return (f"{self.input_len} tokens in{prefix}, {self.output_len} out, concurrency "
+                f"{','.join(map(str, self.concurrency))}, SLO TTFT <= {self.slo.ttft} s, ITL <= {self.slo.itl} s")
+
+
+@dataclass
+class Measurement:
+    candidate: Candidate
+    levels: list[dict[str, Any]]
+    start_s: float  # from spawning the engine until it answered
+    total_s: float  # start, sweep and stop: what the next candidate will likely cost
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    wins: bool
+    score: float  # summed goodput (or tokens/s) over the baseline's
+    reason: str
+
+
+def parse_duration(text: str) -> float:
+    """`20m`, `1h`, `90s` or plain seconds."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not found:
+        raise UsageError(f"--budget: expected a duration like 20m, 1h or 900s, got {text!r}")
+    value = float(found.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[found.group(2)]
+    if value <= 0:
+        raise UsageError("--budget must be positive")
+    return value
+
+
+def _level_map(levels: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {level["concurrency"]: level for level in levels}
+
+
+def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, noise: float = NOISE) -> Verdict:
+    """Whether `candidate` beats `baseline` without losing anywhere (see the module docstring)."""
+    if candidate.error:
+        return Verdict(False, 0.0, f"did not run: {candidate.error}")
+    base, cand = _level_map(baseline.levels), _level_map(candidate.levels)
+    if set(base) != set(cand):
+        return Verdict(False, 0.0, "measured other concurrency levels than the baseline")
+    for conc in sorted(base):
+        b, c = base[conc], cand[conc]
+        if c["errors"]:
+            return Verdict(False, 0.0, f"{c['errors']} failed request(s) at concurrency {conc}")
+        for name, label in (("output_tokens_per_s", "output tokens/s"), ("goodput_requests_per_s", "goodput")):
+            if b[name] > 0 and c[name] < floor * b[name]:
+                return Verdict(False, c[name] / b[name],
+                               f"{label} {c[name] / b[name]:.2f}x the baseline at concurrency {conc}")
+    # Each level counts alike (a sum would be the highest concurrency's alone): the geometric mean of the
+    # per-level ratios, of goodput where the baseline met the SLO at all, else of output tokens/s.
+    ratios = {}
+    for conc in sorted(base):
+        measure = "goodput_requests_per_s" if base[conc]["goodput_requests_per_s"] > 0 else "output_tokens_per_s"
+        ratios[conc] = cand[conc][measure] / base[conc][measure] if base[conc][measure] else 1.0
+    score = math.prod(ratios.values()) ** (1 / len(ratios)) if ratios else 0.0
+    best = max(sorted(ratios), key=ratios.__getitem__)
+    detail = (f"{score:.2f}x the baseline's goodput (geometric mean over the levels; tokens/s where no request "
+              f"met the SLO), {ratios[best]:.2f}x at concurrency {best}")
+    if score <= 1 + noise:
+        return Verdict(False, score, f"no better than the baseline: {detail}")
+    return Verdict(True, score, detail)
+
+
+def trial_candidates(
+    plan: dict[str, Any], workload: Workload, *, gpu_fp8: bool = False, draft: catalog.Speculative | None = None,
+    draft_dir: Path | None = None,
+) -> list[Candidate]:
+    """The single changes worth measuring for this plan and workload; none that the plan already sets.
+    `draft` is the catalog's draft model for this model, `draft_dir` where its weights are on this host."""
+    argv = plan.get("argv") or []
+    has = {option_name(token) for token in argv if token.startswith("-")}
+    profile = PROFILES.get(plan.get("workload") or "chat", PROFILES["chat"])
+    top = max(workload.concurrency)
+    found: list[Candidate] = []
+
+    def add(name: str, flags: tuple[str, ...], why: str) -> None:
+        if option_name(flags[0]) not in has and all(c.flags != flags for c in found):
+            found.append(Candidate(name, flags, why))
+
+    if profile.trial_max_num_seqs:
+        add("max-num-seqs", ("--max-num-seqs", str(profile.trial_max_num_seqs)),
+            f"the {profile.name} workload's batch size ({profile.why})")
+    add("max-num-seqs-at-load", ("--max-num-seqs", str(max(top, 8))),
+        f"batches no larger than the {top} clients: smaller activation reserve, more KV cache")
+    if profile.trial_batched_tokens:
+        add("max-num-batched-tokens", ("--max-num-batched-tokens", str(profile.trial_batched_tokens)),
+            f"the {profile.name} workload's prefill chunk ({profile.why})")
+    if workload.input_len + workload.shared_prefix_len >= 2048:
+        add("long-prefill-chunks", ("--max-num-batched-tokens", "16384"),
+            "long prompts: fewer, larger prefill chunks")
+    if plan.get("engine") == "cuda":
+        if top < 512:
+            add("cuda-graphs-to-load", ("--max-cudagraph-capture-size", str(max(top, 8))),
+                f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
+        add("async-scheduling", ("--async-scheduling",), "schedules the next step while the GPU runs this one")
+        if gpu_fp8 and plan.get("kv_cache_dtype") in (None, "auto") and \
+                plan.get("kv_cache_tokens", 0) < top * (workload.input_len + workload.shared_prefix_len
+                                                         + workload.output_len) * 2:
+            add("fp8-kv-cache", ("--kv-cache-dtype", "fp8"),
+                "the KV cache bounds this workload: FP8 halves its bytes per token")
+    if draft and draft_dir is not None and plan.get("pipeline_parallel_size", 1) == 1:
+        config = {"model": str(draft_dir), "method": draft.method,
+                  "num_speculative_tokens": draft.num_speculative_tokens}
+        add("speculative", ("--speculative-config", json.dumps(config, separators=(",", ":"))),
+            f"{draft.method} draft {draft.model} ({draft.source})")
+    return found
+
+
+def operator_candidates(specs: Sequence[str]) -> list[Candidate]:
+    """`--candidate "--max-num-seqs 64"`: each a flag set the operator wants measured."""
+    found = []
+    for spec in specs:
+        flags = tuple(spec.split())
+        if not flags or not flags[0].startswith("--"):
+            raise UsageError(f"--candidate: expected vLLM flags like '--max-num-seqs 64', got {spec!r}")
+        try:
+            check_extra_args(flags, "--candidate")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        found.append(Candidate(" ".join(flags), flags, "asked for by the operator"))
+    return found
+
+
+def configuration_key(plan: dict[str, Any], config: Config, workload: Workload) -> str:
+    """What a measurement holds for: a change to any of these makes the old winner unproven."""
+    material = {
+        "model": str(config.model.path), "vllm": plan.get("vllm_version"), "hardware": plan.get("hardware"),
+        "workload": config.plan.workload, "max_model_len": config.plan.max_model_len,
+        "extra_args": list(config.plan.extra_args), "traffic": asdict(workload),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Store:
+    """One JSON file per measured candidate under DIR/KEY/, written as each finishes (resume reads them)."""
+
+    def __init__(self, directory: Path, key: str):
+        self.directory = directory / key
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def load(self, candidate: Candidate) -> Measurement | None:
+        path = self.directory / f"{candidate.key}.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return Measurement(candidate=candidate, levels=data["levels"], start_s=data["start_s"],
+                           total_s=data["total_s"], error=data.get("error"))
+
+    def save(self, measurement: Measurement) -> None:
+        data = {**asdict(measurement), "candidate": asdict(measurement.candidate)}
+        write_atomic(self.directory / f"{measurement.candidate.key}.json", json.dumps(data, indent=2) + "\n",
+                     mode=0o644)
+
+
+Measure = Callable[[Candidate], Measurement]
+
+
+@dataclass
+class Outcome:
+    baseline: Measurement
+    measured: list[tuple[Measurement, Verdict]]
+    skipped: list[tuple[Candidate, str]]
+    winner: Measurement  # the baseline when nothing won
+    reused: int  # measurements read back from an earlier run
+
+
+def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_s: float,
+           log: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic) -> Outcome:
+    """Baseline, each single change, then the winners together; within the budget, resumable."""
+    started = clock()
+    reused = 0
+
+    def run(candidate: Candidate) -> Measurement:
+        nonlocal reused
+        earlier = store.load(candidate)
+        if earlier is not None:
+            reused += 1
+            log(f"{candidate.name}: measured earlier ({earlier.total_s:.0f} s then), not measured again")
+            return earlier
+        log(f"{candidate.name}: starting the engine with {' '.join(candidate.flags) or 'the plan alone'}")
+        result = measure(candidate)
+        store.save(result)
+        return result
+
+    baseline = run(Candidate("plan", (), "the plan alone: vLLM's defaults for speed"))
+    if baseline.error:
+        raise KimiError(f"the plan's own engine did not serve the workload ({baseline.error}): nothing to "
+                        "compare candidates with; fix that first (kimi-service serve --check, the engine log)")
+    measured: list[tuple[Measurement, Verdict]] = []
+    skipped: list[tuple[Candidate, str]] = []
+
+    def within_budget(candidate: Candidate) -> bool:
+        spent = clock() - started
+        cost = max([baseline.total_s, *(m.total_s for m, _ in measured)])
+        if store.load(candidate) is None and spent + cost > budget_s:
+            skipped.append((candidate, f"budget: {spent:.0f} s of {budget_s:.0f} s spent, a candidate takes "
+                                       f"about {cost:.0f} s"))
+            log(f"{candidate.name}: skipped, {skipped[-1][1]}")
+            return False
+        return True
+
+    for candidate in singles:
+        if within_budget(candidate):
+            result = run(candidate)
+            measured.append((result, judge(baseline, result)))
+            log(f"{candidate.name}: {'wins' if measured[-1][1].wins else 'loses'} ({measured[-1][1].reason})")
+    winners = [m for m, v in measured if v.wins]
+    if len(winners) > 1:
+        flags = tuple(flag for m in winners for flag in m.candidate.flags)
+        combined = Candidate(" + ".join(m.candidate.name for m in winners), flags,
+                             "every single change that won, together")
+        if within_budget(combined):
+            result = run(combined)
+            measured.append((result, judge(baseline, result)))
+            log(f"{combined.name}: {'wins' if measured[-1][1].wins else 'loses'} ({measured[-1][1].reason})")
+    best = max(((m, v) for m, v in measured if v.wins), key=lambda pair: pair[1].score, default=None)
+    return Outcome(baseline, measured, skipped, best[0] if best else baseline, reused)
+
+
+def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, Any]:
+    """tuned.json: the winner's flags, why each is there (measured), and every candidate's verdict."""
+    winner = outcome.winner
+    verdicts = {m.candidate.name: v for m, v in outcome.measured}
+    reasons = {}
+    if winner is not outcome.baseline:
+        reason = verdicts[winner.candidate.name].reason
+        for token in winner.candidate.flags:
+            if token.startswith("--"):
+                reasons[token] = f"measured by kimi-service tune on this host ({workload.describe()}): {reason}"
+    return {
+        "key": key,
+        "flags": list(winner.candidate.flags),
+        "reasons": reasons,
+        "winner": winner.candidate.name if winner is not outcome.baseline else "plan",
+        "workload": asdict(workload),
+        "candidates": [{"name": m.candidate.name, "flags": list(m.candidate.flags), "wins": v.wins,
+                        "score": round(v.score, 4), "reason": v.reason, "start_s": round(m.start_s, 1)}
+                       for m, v in outcome.measured],
+        "skipped": [{"name": c.name, "flags": list(c.flags), "reason": why} for c, why in outcome.skipped],
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def read_tuned(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("flags"), list) else None
+
+
+def tuned_flags(tuned: dict[str, Any], plan: dict[str, Any], config: Config) -> tuple[list[str], str | None]:
+    """The measured flags serve adds to this plan (none an operator's extra_args also sets), or none and
+    why not: a winner measured for another model, engine, GPUs, workload or operator flags is unproven."""
+    try:
+        key = configuration_key(plan, config, Workload.from_json(tuned["workload"]))
+    except (KeyError, TypeError):
+        return [], f"{TUNED_FILE} is not one kimi-service tune wrote; its flags are not applied"
+    if key != tuned.get("key"):
+        return [], (f"{TUNED_FILE} ({tuned.get('winner')}) was measured for another model, engine, GPUs, workload "
+                    "or extra_args; its flags are not applied: run kimi-service tune again")
+    operator = {option_name(token) for token in config.plan.extra_args if token.startswith("-")}
+    flags: list[str] = []
+    keep = False
+    for token in tuned["flags"]:
+        if token.startswith("--"):
+            keep = option_name(token) not in operator
+        if keep:
+            flags.append(token)
+    return flags, None
+
+
+def format_table(outcome: Outcome) -> str:
+    levels = sorted(_level_map(outcome.baseline.levels))
+    header = f"{'candidate':<40} " + " ".join(f"{f'c={c} tok/s':>12} {'goodput':>8}" for c in levels) + "  verdict"
+    lines = [header, "-" * len(header)]
+    rows = [(outcome.baseline, None), *outcome.measured]
+    for m, verdict in rows:
+        by = _level_map(m.levels)
+        cells = " ".join(
+            f"{by[c]['output_tokens_per_s']:>12.1f} {by[c]['goodput_requests_per_s']:>8.2f}" if c in by
+            else f"{'-':>12} {'-':>8}" for c in levels)
+        said = "baseline" if verdict is None else ("WINS " if verdict.wins else "loses ") + verdict.reason
+        if m is outcome.winner:
+            said = "<- applied: " + said
+        lines.append(f"{m.candidate.name[:40]:<40} {cells}  {said}")
+    for candidate, why in outcome.skipped:
+        lines.append(f"{candidate.name[:40]:<40} skipped: {why}")
+    return "\n".join(lines)
+
+
+def write_plot(outcome: Outcome, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KimiError("the plot needs matplotlib (pip install matplotlib)") from None
+    fig, axis = plt.subplots(figsize=(9, 4))
+    for m in [outcome.baseline, *(m for m, _ in outcome.measured)]:
+        by = _level_map(m.levels)
+        levels = sorted(by)
+        axis.plot(levels, [by[c]["goodput_requests_per_s"] for c in levels], marker="o",
+                  linewidth=2.5 if m is outcome.winner else 1, label=m.candidate.name[:40])
+    axis.set(xscale="log", xlabel="concurrency", ylabel="goodput (requests/s at the SLO)", title="kimi-service tune")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class EngineRun:
+    """One candidate's engine, as serve would start it (the same argv and environment), on the configured
+    port with the service stopped; stopped with its whole process group."""
+
+    def __init__(self, config: Config, candidate: Candidate, log_path: Path):
+        from kimi_service import launcher
+
+        tried = replace(config, plan=replace(config.plan, extra_args=(*config.plan.extra_args, *candidate.flags)))
+        self.launch = launcher.prepare(tried, apply_tuned=False)
+        self.config, self.log_path = config, log_path
+
+    def __enter__(self) -> EngineRun:
+        self.log = self.log_path.open("wb")
+        self.process = subprocess.Popen(self.launch.argv, env=self.launch.env, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_serving(self, timeout: float) -> None:
+        url = self.config.api.local_url
+        deadline = time.monotonic() + timeout
+        with httpx.Client(base_url=url, timeout=5) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise KimiError(f"the engine exited with {self.process.returncode} before serving "
+                                    f"(log: {self.log_path})")
+                try:
+                    if client.get("/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+        raise KimiError(f"the engine did not serve within {timeout:.0f} s (log: {self.log_path})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=self.config.serve.stop_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+def engine_measure(config: Config, workload: Workload, api_key: str | None, logs: Path) -> Measure:
+    """Start the candidate's engine, sweep it with bench, stop it."""
+
+    def measure(candidate: Candidate) -> Measurement:
+        started = time.monotonic()
+        log_path = logs / f"{candidate.key}.log"
+        try:
+            with EngineRun(config, candidate, log_path) as engine:
+                engine.wait_serving(min(config.serve.startup_timeout, START_TIMEOUT_S))
+                start_s = time.monotonic() - started
+                report = bench.run_bench(bench.BenchSettings(
+                    url=config.api.local_url, model=config.model.served_name, api_key=api_key,
+                    concurrency=list(workload.concurrency), input_len=workload.input_len,
+                    output_len=workload.output_len, prompts=workload.prompts,
+                    shared_prefix_len=workload.shared_prefix_len, slo=workload.slo,
+                    tokenizer=str(config.model.path),
+                ), progress=False)
+        except KimiError as exc:
+            return Measurement(candidate, [], time.monotonic() - started, time.monotonic() - started, str(exc))
+        levels = [asdict(level) for level in report.levels]
+        return Measurement(candidate, levels, start_s, time.monotonic() - started)
+
+    return measure
+
+
+class Session:
+    """One `kimi-service tune`: the plan without tuned flags, its configuration key, the candidates."""
+
+    def __init__(self, config: Config, workload: Workload, budget_s: float, candidate_specs: Sequence[str] = ()):
+        from kimi_service import launcher
+        from kimi_service.model import inspect_model
+
+        self.config, self.workload, self.budget_s = config, workload, budget_s
+        self.plan = launcher.prepare(config, apply_tuned=False).plan_document
+        self.key = configuration_key(self.plan, config, workload)
+        self.tuned_path = config.paths.state_dir / TUNED_FILE
+        self.store = Store(config.paths.state_dir / "tune", self.key)
+        if candidate_specs:
+            self.singles = operator_candidates(candidate_specs)
+        else:
+            spec = inspect_model(str(config.model.path))
+            entry = catalog.get(spec.catalog_name) if spec.catalog_name else None
+            draft = entry.speculative if entry else None
+            self.singles = trial_candidates(
+                self.plan, workload, gpu_fp8=launcher.discover(config).fp8, draft=draft,
+                draft_dir=self._local_model(draft.model) if draft else None)
+
+    def _local_model(self, repo_id: str) -> Path | None:
+        """A draft model fetched beside the served one (STATE_DIR/models/REPO@REVISION), if any."""
+        found = sorted((self.config.paths.state_dir / "models").glob(f"{repo_id}@*/config.json"))
+        return found[0].parent if found else None
+
+    def stale(self) -> str | None:
+        """Why tuning would measure (None: tuned.json holds for this configuration and workload)."""
+        tuned = read_tuned(self.tuned_path)
+        if tuned is None:
+            return f"{self.tuned_path}: none yet"
+        if tuned.get("key") != self.key:
+            return f"{self.tuned_path}: measured for another model, engine, GPUs, workload or extra_args"
+        return None
+
+    def run(self, api_key: str | None) -> Outcome:
+        started = time.monotonic()
+
+        def log(message: str) -> None:
+            spent = time.monotonic() - started
+            print(f"[{spent // 60:02.0f}:{spent % 60:02.0f} of {self.budget_s / 60:.0f} min] {message}",
+                  file=sys.stderr, flush=True)
+
+        log(f"tuning for {self.workload.describe()}; {len(self.singles)} candidate(s): "
+            + ", ".join(c.name for c in self.singles))
+        outcome = search(self.singles, engine_measure(self.config, self.workload, api_key, self.store.directory),
+                         self.store, self.budget_s, log=log)
+        document = tuned_document(outcome, self.key, self.workload)
+        write_atomic(self.tuned_path, json.dumps(document, indent=2) + "\n", mode=0o644)
+        (self.store.directory / "report.txt").write_text(format_table(outcome) + "\n")
+        try:
+            write_plot(outcome, self.store.directory / "tune.png")
+        except KimiError as exc:
+            log(f"no plot: {exc}")
+        return outcome

@@ -1,0 +1,111 @@
+"""`kimi-service tune` against the real vLLM CPU server: each candidate's engine started as serve starts it,
+swept by bench, stopped; a candidate that loses is never applied; the budget; resume; serve applying a
+winner only where it was measured.
+
+Two engine starts in all (the plan, and a batch cap of one that must lose at four clients); later runs
+read the measurements back. Speeds on two shared cores are noise, so no test depends on which of two
+close candidates wins: the losing one loses by 4x (four clients served one at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.engine.serving import write_config
+from tests.support.engine import REPO_ROOT
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+TRAFFIC = ["--concurrency", "1,4", "--prompts", "8", "--input-len", "32", "--output-len", "16",
+           "--slo", "ttft=60,itl=60"]
+LOSER = "--max-num-seqs 1"
+
+
+class Tuner:
+    def __init__(self, directory: Path, engine_venv: Path, model: Path):
+        # vLLM's IPC sockets live in the state dir's tmp/, whose path must stay short.
+        self.state_dir = Path(tempfile.mkdtemp(prefix="kimi-tune-", dir="/tmp"))
+        self.config = write_config(directory, model, free_port(), self.state_dir)
+        self.engine_venv = engine_venv
+        self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_API_KEY": "sk-tune-" + secrets.token_hex(8)}
+
+    def run(self, command: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(self.engine_venv / "bin" / "kimi-service"), command, "--config", str(self.config),
+                               *args], capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
+
+    def tune(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.run("tune", *TRAFFIC, *args)
+
+    @property
+    def tuned(self) -> dict:
+        return json.loads((self.state_dir / "tuned.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tuner(tmp_path_factory: pytest.TempPathFactory, engine_venv: Path, tiny_model: Path) -> Tuner:
+    return Tuner(tmp_path_factory.mktemp("tune"), engine_venv, tiny_model)
+
+
+@pytest.fixture(scope="module")
+def first(tuner: Tuner) -> subprocess.CompletedProcess[str]:
+    before = tuner.tune("--status")
+    assert before.returncode == 3 and "none yet" in before.stdout, before.stdout + before.stderr
+    result = tuner.tune("--budget", "10m", "--candidate", LOSER)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    return result
+
+
+def test_a_candidate_that_loses_is_measured_and_never_applied(tuner: Tuner, first) -> None:
+    tuned = tuner.tuned
+    assert tuned["winner"] == "plan" and tuned["flags"] == [] and tuned["reasons"] == {}
+    (loser,) = tuned["candidates"]
+    assert loser["flags"] == LOSER.split() and not loser["wins"]
+    assert "at concurrency 4" in loser["reason"], loser
+    assert "starting the engine with --max-num-seqs 1" in first.stderr
+    rows = [line for line in first.stdout.splitlines() if line.startswith(("plan", LOSER))]
+    assert rows[0].endswith("<- applied: baseline") and "loses" in rows[1], first.stdout
+    assert "applied: the plan alone (nothing beat it)" in first.stdout
+    report = tuner.state_dir / "tune" / tuned["key"]
+    assert (report / "report.txt").read_text().strip() in first.stdout
+    assert len(list(report.glob("*.log"))) == 2  # one engine log per candidate
+    assert tuner.tune("--status").returncode == 0
+
+
+def test_a_rerun_resumes_and_the_budget_skips_what_would_overrun_it(tuner: Tuner, first) -> None:
+    again = tuner.tune("--budget", "10m", "--candidate", LOSER)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "starting the engine" not in again.stderr
+    assert again.stderr.count("measured earlier") == 2
+    tight = tuner.tune("--budget", "1s", "--candidate", "--max-num-seqs 2")
+    assert tight.returncode == 0, tight.stderr[-3000:]
+    assert "starting the engine" not in tight.stderr  # the plan is read back, the new candidate is not run
+    assert "--max-num-seqs 2" in tight.stdout and "skipped: budget" in tight.stdout
+    assert tuner.tuned["skipped"][0]["flags"] == ["--max-num-seqs", "2"]
+
+
+def test_serve_runs_a_measured_winner_and_ignores_one_measured_elsewhere(tuner: Tuner, first) -> None:
+    # As a win would leave it: the file tune wrote, with a winner's flags and reason.
+    tuned = {**tuner.tuned, "winner": "max-num-seqs 3", "flags": ["--max-num-seqs", "3"],
+             "reasons": {"--max-num-seqs": "measured by kimi-service tune on this host: 1.30x"}}
+    (tuner.state_dir / "tuned.json").write_text(json.dumps(tuned))
+    check = tuner.run("serve", "--check")
+    assert check.returncode == 0, check.stderr
+    assert "--max-num-seqs 3" in check.stdout
+    plan_argv = check.stdout.split("would run: ", 1)[1]
+    assert plan_argv.count("--max-num-seqs") == 1
+    data = yaml.safe_load(tuner.config.read_text())
+    data["plan"]["workload"] = "latency"
+    tuner.config.write_text(yaml.safe_dump(data))
+    elsewhere = tuner.run("serve", "--check")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert "--max-num-seqs" not in elsewhere.stdout.split("would run: ", 1)[1]
+    assert "measured for another model" in elsewhere.stdout and "run kimi-service tune again" in elsewhere.stdout
