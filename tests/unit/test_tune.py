@@ -4,6 +4,8 @@ checks. tests/engine/test_tune.py runs the same search against the real CPU engi
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,19 @@ def test_the_slo_round_trips_through_tuned_json():
     traffic = Workload(concurrency=(1, 4), slo=bench.Slo(ttft=2.0, itl=0.05))
     document = {**traffic.__dict__, "slo": traffic.slo.__dict__, "concurrency": list(traffic.concurrency)}
     assert Workload.from_json(json.loads(json.dumps(document))) == traffic
+
+
+def _listed_tasks(*args: str) -> list[str]:
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "inventory/local.yml",
+                             "site.yml", "--list-tasks", *args], cwd=root, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("tune : ")]
+
+
+def test_site_runs_the_tune_stage_only_when_asked_for():
+    plain = _listed_tasks()
+    assert all("Validating arguments" in task for task in plain), plain
+    asked = _listed_tasks("--tags", "tune")
+    assert any(task.startswith("tune : Run kimi-service tune") for task in asked), asked
