@@ -193,7 +193,7 @@ section_rerun() {
 }
 
 section_bench() {
-    local levels=1,16,64 prompts=32 model_dir pid
+    local levels=1,16,64 prompts=16 model_dir pid
     log "playbooks/bench.yml at concurrency $levels through the deployed endpoint (the planner's flags)"
     playbook playbooks/bench.yml bench -e "kimi_bench_concurrency=$levels" -e "kimi_bench_prompts=$prompts" \
         -e "kimi_bench_results_dir=$RESULTS/bench-deployed" || true
