@@ -1,5 +1,4 @@
 """`kimi-service bench`: a concurrency or request-rate sweep against an OpenAI-compatible streaming endpoint.
-
 For each concurrency level a closed loop of that many clients sends the same prompt set; for each request
 rate (open loop) the requests arrive as a Poisson process of that rate, whatever is still in flight, so
 latency under load includes the time spent queued; per request

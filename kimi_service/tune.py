@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,9 @@ from kimi_service.config import Config
 from kimi_service.engine_flags import check_extra_args, option_name
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.files import write_atomic
+from kimi_service.tuned import TUNED_FILE, Workload, configuration_key, read_tuned
 from kimi_service.workloads import PROFILES
 
-TUNED_FILE = "tuned.json"
 FLOOR = 0.98  # a candidate below this share of the baseline at any point loses
 NOISE = 0.02  # and must beat the baseline's summed goodput by more than this to win
 START_TIMEOUT_S = 1800.0
@@ -61,27 +61,6 @@ class Candidate:
     @property
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.flags).encode()).hexdigest()[:12]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The traffic the winner must serve: bench's closed loop at each concurrency."""
-
-    concurrency: tuple[int, ...] = (1, 16, 64)
-    input_len: int = 512
-    output_len: int = 128
-    prompts: int = 32
-    shared_prefix_len: int = 0
-    slo: bench.Slo = field(default_factory=lambda: bench.Slo(ttft=1.0, itl=0.1))
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Workload:
-        return cls(**{**data, "concurrency": tuple(data["concurrency"]), "slo": bench.Slo(**data["slo"])})
-
-    def describe(self) -> str:
-        prefix = f" after a shared {self.shared_prefix_len}-token prompt" if self.shared_prefix_len else ""
-        return (f"{self.input_len} tokens in{prefix}, {self.output_len} out, concurrency "
-                f"{','.join(map(str, self.concurrency))}, SLO TTFT <= {self.slo.ttft} s, ITL <= {self.slo.itl} s")
 
 
 @dataclass
@@ -122,14 +101,16 @@ def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, n
     base, cand = _level_map(baseline.levels), _level_map(candidate.levels)
     if set(base) != set(cand):
         return Verdict(False, 0.0, "measured other concurrency levels than the baseline")
+    worst: tuple[float, str] | None = None
     for conc in sorted(base):
         b, c = base[conc], cand[conc]
         if c["errors"]:
             return Verdict(False, 0.0, f"{c['errors']} failed request(s) at concurrency {conc}")
         for name, label in (("output_tokens_per_s", "output tokens/s"), ("goodput_requests_per_s", "goodput")):
-            if b[name] > 0 and c[name] < floor * b[name]:
-                return Verdict(False, c[name] / b[name],
-                               f"{label} {c[name] / b[name]:.2f}x the baseline at concurrency {conc}")
+            if b[name] > 0 and (worst is None or c[name] / b[name] < worst[0]):
+                worst = (c[name] / b[name], f"{label} {c[name] / b[name]:.2f}x the baseline at concurrency {conc}")
+    if worst is not None and worst[0] < floor:
+        return Verdict(False, worst[0], worst[1])
     # Each level counts alike (a sum would be the highest concurrency's alone): the geometric mean of the
     # per-level ratios, of goodput where the baseline met the SLO at all, else of output tokens/s.
     ratios = {}
@@ -203,16 +184,6 @@ def operator_candidates(specs: Sequence[str]) -> list[Candidate]:
             raise UsageError(str(exc)) from None
         found.append(Candidate(" ".join(flags), flags, "asked for by the operator"))
     return found
-
-
-def configuration_key(plan: dict[str, Any], config: Config, workload: Workload) -> str:
-    """What a measurement holds for: a change to any of these makes the old winner unproven."""
-    material = {
-        "model": str(config.model.path), "vllm": plan.get("vllm_version"), "hardware": plan.get("hardware"),
-        "workload": config.plan.workload, "max_model_len": config.plan.max_model_len,
-        "extra_args": list(config.plan.extra_args), "traffic": asdict(workload),
-    }
-    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class Store:
@@ -324,35 +295,6 @@ def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, 
         "skipped": [{"name": c.name, "flags": list(c.flags), "reason": why} for c, why in outcome.skipped],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def read_tuned(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("flags"), list) else None
-
-
-def tuned_flags(tuned: dict[str, Any], plan: dict[str, Any], config: Config) -> tuple[list[str], str | None]:
-    """The measured flags serve adds to this plan (none an operator's extra_args also sets), or none and
-    why not: a winner measured for another model, engine, GPUs, workload or operator flags is unproven."""
-    try:
-        key = configuration_key(plan, config, Workload.from_json(tuned["workload"]))
-    except (KeyError, TypeError):
-        return [], f"{TUNED_FILE} is not one kimi-service tune wrote; its flags are not applied"
-    if key != tuned.get("key"):
-        return [], (f"{TUNED_FILE} ({tuned.get('winner')}) was measured for another model, engine, GPUs, workload "
-                    "or extra_args; its flags are not applied: run kimi-service tune again")
-    operator = {option_name(token) for token in config.plan.extra_args if token.startswith("-")}
-    flags: list[str] = []
-    keep = False
-    for token in tuned["flags"]:
-        if token.startswith("--"):
-            keep = option_name(token) not in operator
-        if keep:
-            flags.append(token)
-    return flags, None
 
 
 def format_table(outcome: Outcome) -> str:

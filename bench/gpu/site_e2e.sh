@@ -146,7 +146,7 @@ section_prepare() {
     } | tee "$RESULTS/facts.txt"
 }
 
-write_inventory() {  # FILE MODEL SOURCE_DIR
+write_inventory() {  # FILE MODEL SOURCE_DIR [MORE_VARS_YAML]
     local torch_site
     torch_site=$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
     cat > "$1" <<EOF
@@ -165,6 +165,7 @@ all:
     kimi_runtime_site_packages: [$torch_site]
     # flashinfer's sampler JIT-compiles kernels its cubin package (not carried) would provide.
     kimi_vllm_extra_env: {VLLM_USE_FLASHINFER_SAMPLER: "0"}
+${4:-}
 EOF
 }
 
@@ -251,7 +252,9 @@ section_moe() {
     rm -rf "$MODEL_SRC"
     "$PYTHON" bench/gpu/make_model.py "$MOE_SRC" --shape deepseek-v3-4l
     du -sh "$MOE_SRC"
-    write_inventory "$MOE_INVENTORY" e2e/deepseek-v3-4l "$MOE_SRC"
+    # The 64 GiB disk holds the Llama copy still in service, this model's source and its copy: preflight's
+    # default 20 GiB of headroom (a rental's logs and caches) refused it (run 3, docs/gpu-e2e.md).
+    write_inventory "$MOE_INVENTORY" e2e/deepseek-v3-4l "$MOE_SRC" "    kimi_preflight_disk_headroom_gb: 5"
     {
         echo "nvcc: $(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null || echo none)"
         "$VENV/bin/python" - <<'PY'
@@ -308,7 +311,11 @@ section_moe_probe() {
 section_kill() {
     log "kill -9 of vLLM's API server"
     local pid started
-    pid=$(pgrep -f vllm.entrypoints.openai.api_server | head -1)
+    pid=$(pgrep -f vllm.entrypoints.openai.api_server | head -1) || true
+    if [[ -z $pid ]]; then
+        echo "no vLLM API server runs: nothing to kill (did the converge before fail?)"
+        return 1
+    fi
     echo "vLLM pid $pid"
     started=$SECONDS
     kill -9 "$pid"

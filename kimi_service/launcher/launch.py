@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kimi_service import hardware, planner, tune
+from kimi_service import hardware, planner, tuned
 from kimi_service import model as model_inspect
 from kimi_service import nvml as nvml_reader
 from kimi_service.config import ClusterConfig, Config, ConfigError
@@ -151,9 +151,9 @@ def prepare(config: Config, nvml_module: ModuleType | None = None, *, apply_tune
         return plan, document
 
     plan, document = plan_with(())
-    measured = tune.read_tuned(config.paths.state_dir / tune.TUNED_FILE) if apply_tuned else None
+    measured = tuned.read_tuned(config.paths.state_dir / tuned.TUNED_FILE) if apply_tuned else None
     if measured is not None:
-        flags, refused = tune.tuned_flags(measured, document, config)
+        flags, refused = tuned.tuned_flags(measured, document, config)
         if refused:
             document["warnings"].append(refused)
         elif flags:

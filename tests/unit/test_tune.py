@@ -17,16 +17,14 @@ from kimi_service.tune import (
     Candidate,
     Measurement,
     Store,
-    Workload,
-    configuration_key,
     judge,
     operator_candidates,
     parse_duration,
     search,
     trial_candidates,
     tuned_document,
-    tuned_flags,
 )
+from kimi_service.tuned import Workload, configuration_key, tuned_flags
 
 BASELINE = {1: (100.0, 1.0), 16: (1000.0, 8.0), 64: (2000.0, 10.0)}  # concurrency: (tokens/s, goodput)
 

@@ -1,0 +1,80 @@
+"""tuned.json: what `kimi-service tune` measured to win on this host, and whether it still holds.
+
+serve reads it through the launcher; tune writes it. A winner holds only for the configuration it was
+measured with: the same model, engine version, GPUs, workload, max_model_len, operator extra_args and
+traffic (the key); for anything else its flags are unproven and serve leaves them out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kimi_service import bench
+from kimi_service.config import Config
+from kimi_service.engine_flags import option_name
+
+TUNED_FILE = "tuned.json"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The traffic the winner must serve: bench's closed loop at each concurrency."""
+
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    input_len: int = 512
+    output_len: int = 128
+    prompts: int = 32
+    shared_prefix_len: int = 0
+    slo: bench.Slo = field(default_factory=lambda: bench.Slo(ttft=1.0, itl=0.1))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Workload:
+        return cls(**{**data, "concurrency": tuple(data["concurrency"]), "slo": bench.Slo(**data["slo"])})
+
+    def describe(self) -> str:
+        prefix = f" after a shared {self.shared_prefix_len}-token prompt" if self.shared_prefix_len else ""
+        return (f"{self.input_len} tokens in{prefix}, {self.output_len} out, concurrency "
+                f"{','.join(map(str, self.concurrency))}, SLO TTFT <= {self.slo.ttft} s, ITL <= {self.slo.itl} s")
+
+
+def configuration_key(plan: dict[str, Any], config: Config, workload: Workload) -> str:
+    """What a measurement holds for: a change to any of these makes the old winner unproven."""
+    material = {
+        "model": str(config.model.path), "vllm": plan.get("vllm_version"), "hardware": plan.get("hardware"),
+        "workload": config.plan.workload, "max_model_len": config.plan.max_model_len,
+        "extra_args": list(config.plan.extra_args), "traffic": asdict(workload),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_tuned(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("flags"), list) else None
+
+
+def tuned_flags(tuned: dict[str, Any], plan: dict[str, Any], config: Config) -> tuple[list[str], str | None]:
+    """The measured flags serve adds to this plan (none an operator's extra_args also sets), or none and
+    why not: a winner measured for another model, engine, GPUs, workload or operator flags is unproven."""
+    try:
+        key = configuration_key(plan, config, Workload.from_json(tuned["workload"]))
+    except (KeyError, TypeError):
+        return [], f"{TUNED_FILE} is not one kimi-service tune wrote; its flags are not applied"
+    if key != tuned.get("key"):
+        return [], (f"{TUNED_FILE} ({tuned.get('winner')}) was measured for another model, engine, GPUs, workload "
+                    "or extra_args; its flags are not applied: run kimi-service tune again")
+    operator = {option_name(token) for token in config.plan.extra_args if token.startswith("-")}
+    flags: list[str] = []
+    keep = False
+    for token in tuned["flags"]:
+        if token.startswith("--"):
+            keep = option_name(token) not in operator
+        if keep:
+            flags.append(token)
+    return flags, None
