@@ -111,9 +111,11 @@ def program_of(pid: str) -> str:
     if comm.startswith("VLLM::"):
         return comm
     text = b" ".join(argv[:4]).decode(errors="replace")
-    for needle, name in (("vllm.entrypoints", "vllm api_server"), ("kimi-service serve", "kimi-service serve"),
-                         ("kimi_service", "kimi-service other"), ("ansible-playbook", "ansible-playbook"),
-                         ("AnsiballZ", "ansible module"), ("pytest", "pytest"), ("pip", "pip"),
+    # Before vLLM names its processes (VLLM::EngineCore, VLLM::Worker) they are multiprocessing children.
+    for needle, name in (("vllm.entrypoints", "vllm api_server"), ("multiprocessing", "vllm engine (spawned)"),
+                         ("kimi-service serve", "kimi-service serve"), ("kimi_service", "kimi-service other"),
+                         ("ansible-playbook", "ansible-playbook"), ("AnsiballZ", "ansible module"),
+                         ("pytest", "pytest"), ("-m pip", "pip"), ("bin/pip", "pip"),
                          ("exec(eval(sys.stdin", "pytest"), ("compileall", "pip")):
         if needle in text:
             return name
@@ -138,7 +140,9 @@ def sample(out: Path, every: float) -> None:
                 except OSError:
                     continue
                 used = int(fields[11]) + int(fields[12])
-                name, before = seen.get(entry.name) or (program_of(entry.name), used)
+                # Named again each pass: vLLM renames its processes after they start.
+                before = seen[entry.name][1] if entry.name in seen else used
+                name = program_of(entry.name)
                 totals[name] += (used - before) / ticks
                 seen[entry.name] = (name, used)
             if now >= next_stat:
