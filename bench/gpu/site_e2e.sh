@@ -16,6 +16,9 @@
 #              defaults (`vllm serve MODEL`, nothing else) from the same venv on the same GPU, swept alike;
 #              the deployed engine stays stopped (the next converge starts it; or section serve-again)
 #   serve-again  start the deployed engine again and wait until it serves
+#   tune       playbooks/tune.yml (kimi-service tune on the deployed host: candidates measured against the plan,
+#              the winner served) with TUNE_BUDGET (8m), TUNE_INPUT_LEN (512), TUNE_OUTPUT_LEN (128),
+#              TUNE_PREFIX_LEN (0); then bench.yml again through the tuned endpoint
 #   kill       kill -9 of vLLM: seconds until the endpoint serves again under supervisord
 #   moe        the MLA + MoE shape (make_model.py --shape deepseek-v3-4l) through site.yml in place of the
 #              Llama model, in the background: the planner's KV tokens against vLLM's
@@ -237,6 +240,21 @@ for conc in sorted(set(deployed) | set(default)):
     itl = lambda x: f"{1000 * x['itl_s']['p50']:.1f}" if x else "-"
     print(f"| {conc} | {tok(d) or 0:.0f} | {tok(v) or 0:.0f} | {ratio} | {ttft(d)} | {ttft(v)} | {itl(d)} | {itl(v)} |")
 PY
+}
+
+section_tune() {
+    log "playbooks/tune.yml: budget ${TUNE_BUDGET:-8m}, ${TUNE_INPUT_LEN:-512} in, ${TUNE_OUTPUT_LEN:-128} out"
+    playbook playbooks/tune.yml tune -e "kimi_tune_budget=${TUNE_BUDGET:-8m}" -e kimi_tune_concurrency=1,16,64 \
+        -e "kimi_tune_input_len=${TUNE_INPUT_LEN:-512}" -e "kimi_tune_output_len=${TUNE_OUTPUT_LEN:-128}" \
+        -e "kimi_tune_shared_prefix_len=${TUNE_PREFIX_LEN:-0}" || true
+    cp /var/lib/kimi-service/tuned.json "$RESULTS/tuned.json" 2>/dev/null || true
+    cp -r /var/lib/kimi-service/tune "$RESULTS/tune" 2>/dev/null || true
+    find "$RESULTS/tune" -name '*.log' -size +200k -delete 2>/dev/null || true
+    cat /var/lib/kimi-service/tune/*/report.txt 2>/dev/null || true
+    log "playbooks/bench.yml through the tuned endpoint"
+    playbook playbooks/bench.yml bench-tuned -e kimi_bench_concurrency=1,16,64 -e kimi_bench_prompts=16 \
+        -e "kimi_bench_input_len=${TUNE_INPUT_LEN:-512}" -e "kimi_bench_output_len=${TUNE_OUTPUT_LEN:-128}" \
+        -e "kimi_bench_shared_prefix_len=${TUNE_PREFIX_LEN:-0}" -e "kimi_bench_results_dir=$RESULTS/bench-tuned" || true
 }
 
 section_serve_again() {
