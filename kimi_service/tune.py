@@ -190,8 +190,9 @@ class Store:
     """One JSON file per measured candidate under DIR/KEY/, written as each finishes (resume reads them)."""
 
     def __init__(self, directory: Path, key: str):
+        # Made when the first measurement is saved: `tune --status` runs as root and must leave nothing
+        # that the service user's `tune` could not write into.
         self.directory = directory / key
-        self.directory.mkdir(parents=True, exist_ok=True)
 
     def load(self, candidate: Candidate) -> Measurement | None:
         path = self.directory / f"{candidate.key}.json"
@@ -203,6 +204,7 @@ class Store:
                            total_s=data["total_s"], error=data.get("error"))
 
     def save(self, measurement: Measurement) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
         data = {**asdict(measurement), "candidate": asdict(measurement.candidate)}
         write_atomic(self.directory / f"{measurement.candidate.key}.json", json.dumps(data, indent=2) + "\n",
                      mode=0o644)
@@ -453,6 +455,7 @@ class Session:
 
         log(f"tuning for {self.workload.describe()}; {len(self.singles)} candidate(s): "
             + ", ".join(c.name for c in self.singles))
+        self.store.directory.mkdir(parents=True, exist_ok=True)  # the engines' logs go there
         outcome = search(self.singles, engine_measure(self.config, self.workload, api_key, self.store.directory),
                          self.store, self.budget_s, log=log)
         document = tuned_document(outcome, self.key, self.workload)

@@ -123,6 +123,11 @@ def test_the_budget_stops_before_a_candidate_that_would_overrun_and_a_rerun_resu
     assert second.reused == 2 and second.winner.candidate.name == "seqs + async"
 
 
+def test_looking_at_the_store_creates_nothing(tmp_path: Path):
+    store = Store(tmp_path / "tune", "k")
+    assert store.load(SINGLES[0]) is None and not (tmp_path / "tune").exists()
+
+
 def test_a_plan_that_does_not_serve_stops_the_search(tmp_path: Path):
     def broken(candidate: Candidate) -> Measurement:
         return Measurement(candidate, [], 1, 1, error="the engine exited with 1")
