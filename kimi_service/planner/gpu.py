@@ -138,8 +138,8 @@ def _workload_flags(problem: Problem, draft: Draft) -> None:
     for name, value in tried.items():
         if value and f"--{name}" not in problem.overrides:
             draft.reasons[name] = (
-                f"vLLM's default: {value} ({profile.name}: {profile.why}) can lose on some hosts; "
-                "`kimi-service tune` sets it when it measures a win here"
+                f"not set (vLLM's default): the {profile.name} workload's {value} can lose on some hosts; "
+                "`kimi-service tune` tries it and sets it only when it measures a win here"
             )
 
 
