@@ -25,6 +25,7 @@ import httpx
 
 from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
+from kimi_service.plots import pyplot
 
 APIS = ("chat", "completions")
 PERCENTILES = (50, 90, 99)
@@ -576,13 +577,7 @@ def format_table(report: BenchReport) -> str:
 
 
 def write_plot(report: BenchReport, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KimiError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot("--plot")
     open_loop = any(lv.request_rate is not None for lv in report.levels)
     xs = [(lv.request_rate if open_loop else lv.concurrency) for lv in report.levels]
     xlabel = "requests/s offered" if open_loop else "concurrency"

@@ -44,6 +44,7 @@ from kimi_service.config import Config
 from kimi_service.engine_flags import check_extra_args, option_name
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.files import write_atomic
+from kimi_service.plots import pyplot
 from kimi_service.tuned import TUNED_FILE, Workload, configuration_key, read_tuned
 from kimi_service.workloads import PROFILES
 
@@ -319,13 +320,7 @@ def format_table(outcome: Outcome) -> str:
 
 
 def write_plot(outcome: Outcome, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KimiError("the plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot("the plot")
     fig, axis = plt.subplots(figsize=(9, 4))
     for m in [outcome.baseline, *(m for m, _ in outcome.measured)]:
         by = _level_map(m.levels)
@@ -418,7 +413,8 @@ class Session:
 
         self.config, self.workload, self.budget_s = config, workload, budget_s
         self.plan = launcher.prepare(config, apply_tuned=False).plan_document
-        self.key = configuration_key(self.plan, config, workload)
+        self.key = configuration_key(config, workload, vllm_version=self.plan["vllm_version"],
+                                     hardware=self.plan["hardware"])
         self.tuned_path = config.paths.state_dir / TUNED_FILE
         self.store = Store(config.paths.state_dir / "tune", self.key)
         if candidate_specs:

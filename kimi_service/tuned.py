@@ -41,10 +41,10 @@ class Workload:
                 f"{','.join(map(str, self.concurrency))}, SLO TTFT <= {self.slo.ttft} s, ITL <= {self.slo.itl} s")
 
 
-def configuration_key(plan: dict[str, Any], config: Config, workload: Workload) -> str:
+def configuration_key(config: Config, workload: Workload, *, vllm_version: str, hardware: str) -> str:
     """What a measurement holds for: a change to any of these makes the old winner unproven."""
     material = {
-        "model": str(config.model.path), "vllm": plan.get("vllm_version"), "hardware": plan.get("hardware"),
+        "model": str(config.model.path), "vllm": vllm_version, "hardware": hardware,
         "workload": config.plan.workload, "max_model_len": config.plan.max_model_len,
         "extra_args": list(config.plan.extra_args), "traffic": asdict(workload),
     }
@@ -59,11 +59,13 @@ def read_tuned(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and isinstance(data.get("flags"), list) else None
 
 
-def tuned_flags(tuned: dict[str, Any], plan: dict[str, Any], config: Config) -> tuple[list[str], str | None]:
-    """The measured flags serve adds to this plan (none an operator's extra_args also sets), or none and
+def tuned_flags(tuned: dict[str, Any], config: Config, *, vllm_version: str,
+                hardware: str) -> tuple[list[str], str | None]:
+    """The measured flags serve adds to the plan (none an operator's extra_args also sets), or none and
     why not: a winner measured for another model, engine, GPUs, workload or operator flags is unproven."""
     try:
-        key = configuration_key(plan, config, Workload.from_json(tuned["workload"]))
+        key = configuration_key(config, Workload.from_json(tuned["workload"]), vllm_version=vllm_version,
+                                hardware=hardware)
     except (KeyError, TypeError):
         return [], f"{TUNED_FILE} is not one kimi-service tune wrote; its flags are not applied"
     if key != tuned.get("key"):

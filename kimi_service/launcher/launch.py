@@ -131,37 +131,31 @@ def prepare(config: Config, nvml_module: ModuleType | None = None, *, apply_tune
                           "(site.yml, weights stage) or point model.path at a model directory")
     gpus = discover(config, nvml_module)
     spec = model_inspect.inspect_model(str(config.model.path))
-
-    def plan_with(tuned: Sequence[str]) -> tuple[planner.Plan, dict[str, Any]]:
-        plan = planner.plan(
-            spec,
-            gpus,
-            nodes=config.plan.nodes,
-            workload=config.plan.workload,
-            max_model_len=config.plan.max_model_len,
-            overrides=[*tuned, *config.plan.extra_args],
-            model_path=str(config.model.path),
-            served_model_name=config.model.served_name,
-            host=config.api.host,
-            port=config.api.port,
-        )
-        document = plan.to_json()
-        document.update({"served_model_name": config.model.served_name, "vllm_version": vllm_version(),
-                         "hardware": gpus.describe()})
-        return plan, document
-
-    plan, document = plan_with(())
+    engine_version, hardware_name = vllm_version(), gpus.describe()
     measured = tuned.read_tuned(config.paths.state_dir / tuned.TUNED_FILE) if apply_tuned else None
+    flags, refused = tuned.tuned_flags(measured, config, vllm_version=engine_version,
+                                       hardware=hardware_name) if measured is not None else ([], None)
+    plan = planner.plan(
+        spec,
+        gpus,
+        nodes=config.plan.nodes,
+        workload=config.plan.workload,
+        max_model_len=config.plan.max_model_len,
+        overrides=[*flags, *config.plan.extra_args],
+        model_path=str(config.model.path),
+        served_model_name=config.model.served_name,
+        host=config.api.host,
+        port=config.api.port,
+    )
+    document = plan.to_json()
+    document.update({"served_model_name": config.model.served_name, "vllm_version": engine_version,
+                     "hardware": hardware_name})
     if measured is not None:
-        flags, refused = tuned.tuned_flags(measured, document, config)
         if refused:
             document["warnings"].append(refused)
-        elif flags:
-            plan, document = plan_with(flags)
-            document["reasons"].update({flag: why for flag, why in measured.get("reasons", {}).items()
-                                        if flag in flags})
+        document["reasons"].update({flag: why for flag, why in measured.get("reasons", {}).items() if flag in flags})
         document["tuned"] = {"winner": measured.get("winner"), "measured_at": measured.get("measured_at"),
-                             "applied": flags if not refused else []}
+                             "applied": flags}
     if config.plan.extra_env:
         # Names only: plan.json is world-readable, and an operator's variable may hold a credential.
         document["extra_env"] = sorted(config.plan.extra_env)

@@ -179,20 +179,20 @@ def _config(tmp_path: Path, extra_args: list[str] | None = None, workload: str =
 def test_serve_applies_a_winner_only_where_it_was_measured(tmp_path: Path):
     plan = {"vllm_version": "0.21.0", "hardware": "H100:1"}
     config, traffic = _config(tmp_path), Workload()
-    tuned = {"key": configuration_key(plan, config, traffic), "workload": json.loads(json.dumps(
+    tuned = {"key": configuration_key(config, traffic, **plan), "workload": json.loads(json.dumps(
         {**traffic.__dict__, "slo": traffic.slo.__dict__})), "winner": "seqs",
         "flags": ["--max-num-seqs", "64", "--async-scheduling"]}
-    assert tuned_flags(tuned, plan, config) == (["--max-num-seqs", "64", "--async-scheduling"], None)
+    assert tuned_flags(tuned, config, **plan) == (["--max-num-seqs", "64", "--async-scheduling"], None)
     # The operator's own flag wins over the measured one.
     operator = _config(tmp_path, ["--max-num-seqs", "16"])
-    tuned_for_operator = {**tuned, "key": configuration_key(plan, operator, traffic)}
-    assert tuned_flags(tuned_for_operator, plan, operator) == (["--async-scheduling"], None)
+    tuned_for_operator = {**tuned, "key": configuration_key(operator, traffic, **plan)}
+    assert tuned_flags(tuned_for_operator, operator, **plan) == (["--async-scheduling"], None)
     for changed_plan, changed_config in (({**plan, "vllm_version": "0.22.0"}, config),
                                          ({**plan, "hardware": "H200:1"}, config),
                                          (plan, _config(tmp_path, workload="latency"))):
-        flags, why = tuned_flags(tuned, changed_plan, changed_config)
+        flags, why = tuned_flags(tuned, changed_config, **changed_plan)
         assert flags == [] and "run kimi-service tune again" in why
-    assert tuned_flags({"flags": []}, plan, config)[1] is not None
+    assert tuned_flags({"flags": []}, config, **plan)[1] is not None
 
 
 def test_the_slo_round_trips_through_tuned_json():
