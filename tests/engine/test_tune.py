@@ -2,9 +2,10 @@
 swept by bench, stopped; a candidate that loses is never applied; the budget; resume; serve applying a
 winner only where it was measured.
 
-Two engine starts in all (the plan, and a batch cap of one that must lose at four clients); later runs
-read the measurements back. Speeds on two shared cores are noise, so no test depends on which of two
-close candidates wins: the losing one loses by 4x (four clients served one at a time).
+Two engine starts in all (the plan, and a candidate whose context is shorter than every prompt); later
+runs read the measurements back. Speeds on two shared cores are noise: even a batch cap of one, serving
+four clients one at a time, measured ahead of the plan in one run (batching buys little on a CPU), so no
+test depends on a speed difference. The losing candidate starts, serves, and has every request refused.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 TRAFFIC = ["--concurrency", "1,4", "--prompts", "8", "--input-len", "32", "--output-len", "16",
            "--slo", "ttft=60,itl=60"]
-LOSER = "--max-num-seqs 1"
+# 32 prompt tokens plus the chat template are longer than this context: vLLM refuses every request (400).
+LOSER = "--max-model-len 32"
 
 
 class Tuner:
@@ -69,9 +71,8 @@ def test_a_candidate_that_loses_is_measured_and_never_applied(tuner: Tuner, firs
     assert tuned["winner"] == "plan" and tuned["flags"] == [] and tuned["reasons"] == {}
     (loser,) = tuned["candidates"]
     assert loser["flags"] == LOSER.split() and not loser["wins"]
-    # Its worst point, where four clients are served one at a time.
-    assert "x the baseline at concurrency 4" in loser["reason"], loser
-    assert "starting the engine with --max-num-seqs 1" in first.stderr
+    assert "HTTP 400" in loser["reason"], loser
+    assert "starting the engine with --max-model-len 32" in first.stderr
     rows = [line for line in first.stdout.splitlines() if line.startswith(("plan", LOSER))]
     assert rows[0].endswith("<- applied: baseline") and "loses" in rows[1], first.stdout
     assert "applied: the plan alone (nothing beat it)" in first.stdout
