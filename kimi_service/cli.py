@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +42,15 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _request_shape(text: str):
+    from kimi_service.tuned import Shape
+
+    try:
+        return Shape.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _float_list(text: str) -> list[float]:
     try:
         return [float(part) for part in text.split(",") if part.strip()]
@@ -51,14 +61,23 @@ def _float_list(text: str) -> list[float]:
 def _env_file_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", type=Path, metavar="FILE",
                         help="systemd environment file to read VLLM_API_KEY from when the environment lacks it "
-                        "(e.g. /etc/kimi-service/secrets.env; keeps the key out of argv and Ansible's -vvv)")
+                        "(default: secrets.env beside --config when this user can read it, as root on a "
+                        "deployed host; keeps the key out of argv and Ansible's -vvv)")
 
 
 def _secret(args: argparse.Namespace, name: str) -> str | None:
-    """A secret from the environment, else from --env-file; never from an argument."""
+    """A secret from the environment, else from --env-file, else from the secrets.env the roles write beside
+    the config (readable by root only: for anyone else the key must come from the environment); never from
+    an argument."""
     from kimi_service.credentials import read_secret
 
-    return read_secret(name, env_file=getattr(args, "env_file", None))
+    env_file = getattr(args, "env_file", None)
+    config = getattr(args, "config", None)
+    if env_file is None and config is not None:
+        beside = Path(config).parent / "secrets.env"
+        if beside.is_file() and os.access(beside, os.R_OK):
+            env_file = beside
+    return read_secret(name, env_file=env_file)
 
 
 def _add_plan(commands) -> None:
@@ -240,6 +259,9 @@ def _add_tune(commands) -> None:
     tune.add_argument("--output-len", type=int, default=128, help="output tokens per request (128)")
     tune.add_argument("--prompts", type=int, default=32, help="requests per level, at least the level (32)")
     tune.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of one shared system prompt")
+    tune.add_argument("--also-shape", action="append", default=[], type=_request_shape, metavar="IN/OUT[+PREFIX]",
+                      help="another request shape the winner must serve too, e.g. 8192/256 or 512/128+2000 "
+                           "(repeatable): every engine start is swept with each, and a loss on any loses")
     tune.add_argument("--slo", default="ttft=1,itl=0.1", help="goodput objectives (default ttft=1,itl=0.1)")
     tune.add_argument("--candidate", action="append", default=[], metavar="FLAGS",
                       help="measure this flag set instead of the automatic ones (repeat for more), "
@@ -261,10 +283,12 @@ def _run_tune(args: argparse.Namespace) -> int:
         identity.become_user(args.user, own_dirs=[loaded.paths.state_dir])
     workload = tune.Workload(concurrency=tuple(args.concurrency), input_len=args.input_len,
                              output_len=args.output_len, prompts=args.prompts,
-                             shared_prefix_len=args.shared_prefix_len, slo=bench.Slo.parse(args.slo))
-    bench.BenchSettings(url="", model="", concurrency=list(workload.concurrency), input_len=workload.input_len,
-                        output_len=workload.output_len, prompts=workload.prompts,
-                        shared_prefix_len=workload.shared_prefix_len).validate()
+                             shared_prefix_len=args.shared_prefix_len, slo=bench.Slo.parse(args.slo),
+                             more_shapes=tuple(args.also_shape))
+    for shape in workload.shapes:
+        bench.BenchSettings(url="", model="", concurrency=list(workload.concurrency), input_len=shape.input_len,
+                            output_len=shape.output_len, prompts=workload.prompts,
+                            shared_prefix_len=shape.shared_prefix_len).validate()
     session = tune.Session(loaded, workload, tune.parse_duration(args.budget), args.candidate)
     if args.status:
         why = session.stale()

@@ -101,7 +101,8 @@ def check_readiness(client: httpx.Client, target: Target) -> Check:
         return Check("readiness", DOWN, None, f"/v1/models unreachable: {exc}")
     if response.status_code == 401:
         return Check("readiness", DEGRADED, 401,
-                     "/v1/models answered 401: set VLLM_API_KEY to the server's key (secrets.env)")
+                     "/v1/models answered 401: without the server's key; run as root (secrets.env beside "
+                     "--config is read), or set VLLM_API_KEY, or pass --env-file")
     if response.status_code != 200:
         return Check("readiness", DEGRADED, response.status_code, f"/v1/models answered {response.status_code}")
     names = _model_ids(response)

@@ -2,7 +2,7 @@
 
 The plan alone sets what memory and correctness need and leaves speed to vLLM's defaults (planner/gpu.py).
 Tuning starts the engine once per candidate flag set, sweeps it with the operator's workload (`bench`'s
-closed loop at each concurrency, its exact-length prompts) and stops it:
+closed loop at each concurrency, its exact-length prompts, for each request shape of a mix) and stops it:
 
 1. the plan as it is, the baseline;
 2. the plan plus one speed change each (the workload's trial values, a batch cap at the workload's
@@ -12,13 +12,13 @@ closed loop at each concurrency, its exact-length prompts) and stops it:
 3. every single change that won, together.
 
 A candidate wins only when it is at least `floor` (0.98) x the baseline in output tokens/s and in goodput
-at every concurrency, with no failed request, and beats the baseline's goodput (the geometric mean of the
-per-level ratios; tokens/s at a level where no request met the SLO) by more than the noise margin. The
-best winner is written to `tuned.json` in the state directory with each flag's measured reason; serve adds
-those flags to the plan while the file was measured for the same model, engine, GPUs, workload and
-operator flags, and ignores it otherwise. Each
-measurement is kept as it finishes, so an interrupted or over-budget run resumes where it stopped; the
-engine's compile caches are the service's own, so the winner's first start as a service reuses them.
+at every concurrency of every request shape, with no failed request, and beats the baseline's goodput
+(the geometric mean of the per-level ratios; tokens/s at a level where no request met the SLO) by more
+than the noise margin. The best winner is written to `tuned.json` in the state directory with each flag's
+measured reason; serve adds those flags to the plan while the file was measured for the same model, engine,
+GPUs, workload, traffic and operator flags, and ignores it otherwise. Each measurement is kept as it
+finishes, so an interrupted or over-budget run resumes where it stopped; the engine's compile caches are the
+service's own, so the winner's first start as a service reuses them.
 """
 
 from __future__ import annotations
@@ -91,8 +91,16 @@ def parse_duration(text: str) -> float:
     return value
 
 
-def _level_map(levels: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    return {level["concurrency"]: level for level in levels}
+Point = tuple[str, int]  # (the request shape's label, "" for a workload of one shape; concurrency)
+
+
+def _level_map(levels: Sequence[dict[str, Any]]) -> dict[Point, dict[str, Any]]:
+    return {(level.get("traffic", ""), level["concurrency"]): level for level in levels}
+
+
+def _said(point: Point) -> str:
+    traffic, conc = point
+    return f"concurrency {conc}" + (f" of {traffic}" if traffic else "")
 
 
 def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, noise: float = NOISE) -> Verdict:
@@ -101,27 +109,27 @@ def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, n
         return Verdict(False, 0.0, f"did not run: {candidate.error}")
     base, cand = _level_map(baseline.levels), _level_map(candidate.levels)
     if set(base) != set(cand):
-        return Verdict(False, 0.0, "measured other concurrency levels than the baseline")
+        return Verdict(False, 0.0, "measured other concurrency levels or request shapes than the baseline")
     worst: tuple[float, str] | None = None
-    for conc in sorted(base):
-        b, c = base[conc], cand[conc]
+    for point in sorted(base):
+        b, c = base[point], cand[point]
         if c["errors"]:
-            return Verdict(False, 0.0, f"{c['errors']} failed request(s) at concurrency {conc}")
+            return Verdict(False, 0.0, f"{c['errors']} failed request(s) at {_said(point)}")
         for name, label in (("output_tokens_per_s", "output tokens/s"), ("goodput_requests_per_s", "goodput")):
             if b[name] > 0 and (worst is None or c[name] / b[name] < worst[0]):
-                worst = (c[name] / b[name], f"{label} {c[name] / b[name]:.2f}x the baseline at concurrency {conc}")
+                worst = (c[name] / b[name], f"{label} {c[name] / b[name]:.2f}x the baseline at {_said(point)}")
     if worst is not None and worst[0] < floor:
         return Verdict(False, worst[0], worst[1])
     # Each level counts alike (a sum would be the highest concurrency's alone): the geometric mean of the
     # per-level ratios, of goodput where the baseline met the SLO at all, else of output tokens/s.
     ratios = {}
-    for conc in sorted(base):
-        measure = "goodput_requests_per_s" if base[conc]["goodput_requests_per_s"] > 0 else "output_tokens_per_s"
-        ratios[conc] = cand[conc][measure] / base[conc][measure] if base[conc][measure] else 1.0
+    for point in sorted(base):
+        measure = "goodput_requests_per_s" if base[point]["goodput_requests_per_s"] > 0 else "output_tokens_per_s"
+        ratios[point] = cand[point][measure] / base[point][measure] if base[point][measure] else 1.0
     score = math.prod(ratios.values()) ** (1 / len(ratios)) if ratios else 0.0
     best = max(sorted(ratios), key=ratios.__getitem__)
     detail = (f"{score:.2f}x the baseline's goodput (geometric mean over the levels; tokens/s where no request "
-              f"met the SLO), {ratios[best]:.2f}x at concurrency {best}")
+              f"met the SLO), {ratios[best]:.2f}x at {_said(best)}")
     if score <= 1 + noise:
         return Verdict(False, score, f"no better than the baseline: {detail}")
     return Verdict(True, score, detail)
@@ -137,6 +145,8 @@ def trial_candidates(
     has = {option_name(token) for token in argv if token.startswith("-")}
     profile = PROFILES.get(plan.get("workload") or "chat", PROFILES["chat"])
     top = max(workload.concurrency)
+    longest_prompt = max(shape.input_len + shape.shared_prefix_len for shape in workload.shapes)
+    longest = max(shape.input_len + shape.shared_prefix_len + shape.output_len for shape in workload.shapes)
     found: list[Candidate] = []
 
     def add(name: str, flags: tuple[str, ...], why: str) -> None:
@@ -151,7 +161,7 @@ def trial_candidates(
     if profile.trial_batched_tokens:
         add("max-num-batched-tokens", ("--max-num-batched-tokens", str(profile.trial_batched_tokens)),
             f"the {profile.name} workload's prefill chunk ({profile.why})")
-    if workload.input_len + workload.shared_prefix_len >= 2048:
+    if longest_prompt >= 2048:
         add("long-prefill-chunks", ("--max-num-batched-tokens", "16384"),
             "long prompts: fewer, larger prefill chunks")
     if plan.get("engine") == "cuda":
@@ -160,8 +170,7 @@ def trial_candidates(
                 f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
         add("async-scheduling", ("--async-scheduling",), "schedules the next step while the GPU runs this one")
         if gpu_fp8 and plan.get("kv_cache_dtype") in (None, "auto") and \
-                plan.get("kv_cache_tokens", 0) < top * (workload.input_len + workload.shared_prefix_len
-                                                         + workload.output_len) * 2:
+                plan.get("kv_cache_tokens", 0) < top * longest * 2:
             add("fp8-kv-cache", ("--kv-cache-dtype", "fp8"),
                 "the KV cache bounds this workload: FP8 halves its bytes per token")
     if draft and draft_dir is not None and plan.get("pipeline_parallel_size", 1) == 1:
@@ -300,20 +309,30 @@ def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, 
     }
 
 
+def _traffics(levels: Sequence[dict[str, Any]]) -> list[str]:
+    """The request shapes' labels in the order they were measured ("" alone for a workload of one shape)."""
+    return list(dict.fromkeys(level.get("traffic", "") for level in levels))
+
+
 def format_table(outcome: Outcome) -> str:
-    levels = sorted(_level_map(outcome.baseline.levels))
-    header = f"{'candidate':<40} " + " ".join(f"{f'c={c} tok/s':>12} {'goodput':>8}" for c in levels) + "  verdict"
+    traffics = _traffics(outcome.baseline.levels)
+    levels = sorted({conc for _, conc in _level_map(outcome.baseline.levels)})
+    width = max(len("traffic"), *map(len, traffics)) if traffics != [""] else 0
+    header = (f"{'candidate':<40} " + (f"{'traffic':<{width}} " if width else "")
+              + " ".join(f"{f'c={c} tok/s':>12} {'goodput':>8}" for c in levels) + "  verdict")
     lines = [header, "-" * len(header)]
-    rows = [(outcome.baseline, None), *outcome.measured]
-    for m, verdict in rows:
+    for m, verdict in [(outcome.baseline, None), *outcome.measured]:
         by = _level_map(m.levels)
-        cells = " ".join(
-            f"{by[c]['output_tokens_per_s']:>12.1f} {by[c]['goodput_requests_per_s']:>8.2f}" if c in by
-            else f"{'-':>12} {'-':>8}" for c in levels)
         said = "baseline" if verdict is None else ("WINS " if verdict.wins else "loses ") + verdict.reason
         if m is outcome.winner:
             said = "<- applied: " + said
-        lines.append(f"{m.candidate.name[:40]:<40} {cells}  {said}")
+        for row, traffic in enumerate(traffics):
+            cells = " ".join(
+                f"{by[traffic, c]['output_tokens_per_s']:>12.1f} {by[traffic, c]['goodput_requests_per_s']:>8.2f}"
+                if (traffic, c) in by else f"{'-':>12} {'-':>8}" for c in levels)
+            name = m.candidate.name[:40] if row == 0 else ""
+            lines.append(f"{name:<40} " + (f"{traffic:<{width}} " if width else "") + cells
+                         + ("  " + said if row == 0 else ""))
     for candidate, why in outcome.skipped:
         lines.append(f"{candidate.name[:40]:<40} skipped: {why}")
     return "\n".join(lines)
@@ -321,15 +340,18 @@ def format_table(outcome: Outcome) -> str:
 
 def write_plot(outcome: Outcome, path: Path) -> None:
     plt = pyplot("the plot")
-    fig, axis = plt.subplots(figsize=(9, 4))
-    for m in [outcome.baseline, *(m for m, _ in outcome.measured)]:
-        by = _level_map(m.levels)
-        levels = sorted(by)
-        axis.plot(levels, [by[c]["goodput_requests_per_s"] for c in levels], marker="o",
-                  linewidth=2.5 if m is outcome.winner else 1, label=m.candidate.name[:40])
-    axis.set(xscale="log", xlabel="concurrency", ylabel="goodput (requests/s at the SLO)", title="kimi-service tune")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=7)
+    traffics = _traffics(outcome.baseline.levels)
+    fig, axes = plt.subplots(1, len(traffics), figsize=(6 + 3 * len(traffics), 4), squeeze=False)
+    for axis, traffic in zip(axes[0], traffics, strict=True):
+        for m in [outcome.baseline, *(m for m, _ in outcome.measured)]:
+            by = {conc: level for (shape, conc), level in _level_map(m.levels).items() if shape == traffic}
+            levels = sorted(by)
+            axis.plot(levels, [by[c]["goodput_requests_per_s"] for c in levels], marker="o",
+                      linewidth=2.5 if m is outcome.winner else 1, label=m.candidate.name[:40])
+        axis.set(xscale="log", xlabel="concurrency", ylabel="goodput (requests/s at the SLO)",
+                 title=f"kimi-service tune {traffic}".rstrip())
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -389,16 +411,20 @@ def engine_measure(config: Config, workload: Workload, api_key: str | None, logs
             with EngineRun(config, candidate, log_path) as engine:
                 engine.wait_serving(min(config.serve.startup_timeout, START_TIMEOUT_S))
                 start_s = time.monotonic() - started
-                report = bench.run_bench(bench.BenchSettings(
-                    url=config.api.local_url, model=config.model.served_name, api_key=api_key,
-                    concurrency=list(workload.concurrency), input_len=workload.input_len,
-                    output_len=workload.output_len, prompts=workload.prompts,
-                    shared_prefix_len=workload.shared_prefix_len, slo=workload.slo,
-                    tokenizer=str(config.model.path),
-                ), progress=False)
+                levels = []
+                for shape in workload.shapes:
+                    report = bench.run_bench(bench.BenchSettings(
+                        url=config.api.local_url, model=config.model.served_name, api_key=api_key,
+                        concurrency=list(workload.concurrency), input_len=shape.input_len,
+                        output_len=shape.output_len, prompts=workload.prompts,
+                        shared_prefix_len=shape.shared_prefix_len, slo=workload.slo,
+                        tokenizer=str(config.model.path),
+                    ), progress=False)
+                    # One engine start serves every shape of a mix; a lone shape needs no label.
+                    label = {"traffic": shape.label} if workload.more_shapes else {}
+                    levels += [{**asdict(level), **label} for level in report.levels]
         except KimiError as exc:
             return Measurement(candidate, [], time.monotonic() - started, time.monotonic() - started, str(exc))
-        levels = [asdict(level) for level in report.levels]
         return Measurement(candidate, levels, start_s, time.monotonic() - started)
 
     return measure

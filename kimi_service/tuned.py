@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,30 @@ TUNED_FILE = "tuned.json"
 
 
 @dataclass(frozen=True)
+class Shape:
+    """One kind of request: prompt tokens, output tokens, and a system prompt every request shares."""
+
+    input_len: int
+    output_len: int
+    shared_prefix_len: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """`IN/OUT` or `IN/OUT+PREFIX`, e.g. `8192/256` or `512/128+2000`."""
+        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*(?:\+\s*(\d+))?\s*", text)
+        if not found or int(found.group(1)) < 1 or int(found.group(2)) < 1:
+            raise ValueError(f"expected IN/OUT or IN/OUT+PREFIX tokens, like 8192/256 or 512/128+2000; got {text!r}")
+        return cls(int(found.group(1)), int(found.group(2)), int(found.group(3) or 0))
+
+    @property
+    def label(self) -> str:
+        return f"{self.input_len}/{self.output_len}" + (f"+{self.shared_prefix_len}" if self.shared_prefix_len else "")
+
+
+@dataclass(frozen=True)
 class Workload:
-    """The traffic the winner must serve: bench's closed loop at each concurrency."""
+    """The traffic the winner must serve: bench's closed loop at each concurrency, for the first request
+    shape and each of `more_shapes` (a mix: the winner may lose on none of them)."""
 
     concurrency: tuple[int, ...] = (1, 16, 64)
     input_len: int = 512
@@ -30,14 +53,23 @@ class Workload:
     prompts: int = 32
     shared_prefix_len: int = 0
     slo: bench.Slo = field(default_factory=lambda: bench.Slo(ttft=1.0, itl=0.1))
+    more_shapes: tuple[Shape, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Workload:
-        return cls(**{**data, "concurrency": tuple(data["concurrency"]), "slo": bench.Slo(**data["slo"])})
+        return cls(**{**data, "concurrency": tuple(data["concurrency"]), "slo": bench.Slo(**data["slo"]),
+                      "more_shapes": tuple(Shape(**shape) for shape in data.get("more_shapes", ()))})
+
+    @property
+    def shapes(self) -> tuple[Shape, ...]:
+        return (Shape(self.input_len, self.output_len, self.shared_prefix_len), *self.more_shapes)
 
     def describe(self) -> str:
-        prefix = f" after a shared {self.shared_prefix_len}-token prompt" if self.shared_prefix_len else ""
-        return (f"{self.input_len} tokens in{prefix}, {self.output_len} out, concurrency "
+        def one(shape: Shape) -> str:
+            prefix = f" after a shared {shape.shared_prefix_len}-token prompt" if shape.shared_prefix_len else ""
+            return f"{shape.input_len} tokens in{prefix}, {shape.output_len} out"
+
+        return (f"{'; '.join(one(shape) for shape in self.shapes)}, concurrency "
                 f"{','.join(map(str, self.concurrency))}, SLO TTFT <= {self.slo.ttft} s, ITL <= {self.slo.itl} s")
 
 

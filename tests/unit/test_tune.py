@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kimi_service.tune import (
     Candidate,
     Measurement,
     Store,
+    format_table,
     judge,
     operator_candidates,
     parse_duration,
@@ -24,7 +26,7 @@ from kimi_service.tune import (
     trial_candidates,
     tuned_document,
 )
-from kimi_service.tuned import Workload, configuration_key, tuned_flags
+from kimi_service.tuned import Shape, Workload, configuration_key, tuned_flags
 
 BASELINE = {1: (100.0, 1.0), 16: (1000.0, 8.0), 64: (2000.0, 10.0)}  # concurrency: (tokens/s, goodput)
 
@@ -199,6 +201,58 @@ def test_the_slo_round_trips_through_tuned_json():
     traffic = Workload(concurrency=(1, 4), slo=bench.Slo(ttft=2.0, itl=0.05))
     document = {**traffic.__dict__, "slo": traffic.slo.__dict__, "concurrency": list(traffic.concurrency)}
     assert Workload.from_json(json.loads(json.dumps(document))) == traffic
+
+
+def mix(points: dict[str, dict[int, tuple[float, float]]]) -> list[dict]:
+    return [{**level, "traffic": shape} for shape, by in points.items() for level in levels(by)]
+
+
+def test_in_a_mix_a_loss_on_one_shape_loses_and_the_reason_names_the_shape():
+    base = Measurement(Candidate("plan", (), ""), mix({"512/128": BASELINE, "8192/256": BASELINE}), 10, 30)
+    long_loses = Measurement(Candidate("c", ("--c",), ""),
+                             mix({"512/128": scaled({1: 1.5, 16: 1.5, 64: 1.5}), "8192/256": scaled({16: 0.9})}), 1, 1)
+    verdict = judge(base, long_loses)
+    assert not verdict.wins and "0.90x the baseline at concurrency 16 of 8192/256" in verdict.reason
+    long_wins = Measurement(Candidate("c", ("--c",), ""),
+                            mix({"512/128": BASELINE, "8192/256": scaled({64: 1.8})}), 1, 1)
+    verdict = judge(base, long_wins)
+    assert verdict.wins and "1.80x at concurrency 64 of 8192/256" in verdict.reason
+    # A candidate measured without the second shape is not comparable.
+    assert not judge(base, Measurement(Candidate("c", ("--c",), ""), mix({"512/128": BASELINE}), 1, 1)).wins
+
+
+def test_the_table_has_a_row_per_shape_under_each_candidate(tmp_path: Path):
+    base = Measurement(Candidate("plan", (), ""), mix({"512/128": BASELINE, "8192/256+2000": BASELINE}), 10, 30)
+    outcome = search([Candidate("c", ("--c",), "")], lambda c: Measurement(c, base.levels, 1, 1),
+                     Store(tmp_path, "k"), 3600, log=lambda _: None)
+    lines = format_table(outcome).splitlines()
+    assert lines[0].split()[:2] == ["candidate", "traffic"]
+    assert lines[2].split()[:2] == ["plan", "512/128"] and lines[3].split()[0] == "8192/256+2000"
+    assert lines[4].split()[:2] == ["c", "512/128"] and "loses" in lines[4]
+
+
+def test_request_shapes_parse_and_enter_the_key(tmp_path: Path):
+    assert Shape.parse("8192/256") == Shape(8192, 256, 0) and Shape.parse(" 512/128+2000 ").label == "512/128+2000"
+    for bad in ("8192", "0/5", "5/0", "a/b", "1/2+"):
+        with pytest.raises(ValueError, match="IN/OUT"):
+            Shape.parse(bad)
+    config, plan = _config(tmp_path), {"vllm_version": "0.21.0", "hardware": "H100:1"}
+    alone, mixed = Workload(), Workload(more_shapes=(Shape(8192, 256),))
+    assert configuration_key(config, alone, **plan) != configuration_key(config, mixed, **plan)
+    document = json.loads(json.dumps(asdict(mixed)))
+    assert Workload.from_json(document) == mixed
+    assert "512 tokens in, 128 out; 8192 tokens in, 256 out" in mixed.describe()
+    # A long shape in the mix brings the long-prompt candidate.
+    plan_doc = {"argv": ["vllm", "serve", "m"], "workload": "chat", "engine": "cuda"}
+    assert "long-prefill-chunks" not in {c.name for c in trial_candidates(plan_doc, alone)}
+    assert "long-prefill-chunks" in {c.name for c in trial_candidates(plan_doc, mixed)}
+
+
+def test_the_cli_refuses_a_malformed_shape_before_anything_starts(tmp_path: Path):
+    result = subprocess.run([sys.executable, "-m", "kimi_service", "tune", "--config", str(tmp_path / "none.yaml"),
+                             "--also-shape", "8192:256"], capture_output=True, text=True, timeout=60, check=False,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2 and "--also-shape" in result.stderr and "IN/OUT" in result.stderr, result.stderr
 
 
 def _listed_tasks(*args: str) -> list[str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import make_model
 import summarize
+import tune_table
 
 
 def test_llama_8b_shape_has_the_published_parameter_count():
@@ -85,3 +86,53 @@ def test_summary_computes_the_issue_targets(tmp_path: Path):
     assert targets["kv_prediction"]["rows"]["kimi-chat"]["ratio"] == 1.12
     assert not targets["kv_prediction"]["met"]
     assert lines[-1].startswith("Targets: ") and "kv_prediction MISSED" in lines[-1]
+
+
+def _tune_level(conc: int, tok: float, good: float, traffic: str | None = None) -> dict:
+    level = {"concurrency": conc, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": 0}
+    return {**level, "traffic": traffic} if traffic else level
+
+
+def _tune_dir(tmp_path: Path, winner_by: dict[str, float], defaults_by: dict[str, float]) -> Path:
+    """A tuner's store and vLLM-default reports for two shapes at concurrency 1 and 16."""
+    (tmp_path / "measurements").mkdir()
+    (tmp_path / "defaults").mkdir()
+    shapes = {"512/128": (512, 128, 0), "8192/256": (8192, 256, 0)}
+    for name, flags, by in (("plan", [], {}), ("cap", ["--max-num-seqs", "16"], winner_by)):
+        levels = [_tune_level(c, 100 * c * by.get(label, 1), c * by.get(label, 1), label)
+                  for label in shapes for c in (1, 16)]
+        (tmp_path / "measurements" / f"{name}.json").write_text(json.dumps(
+            {"candidate": {"name": name, "flags": flags}, "levels": levels}))
+    for label, (inp, out, prefix) in shapes.items():
+        ratio = defaults_by.get(label, 1)
+        (tmp_path / "defaults" / f"{label.replace('/', '-')}.json").write_text(json.dumps(
+            {"input_len": inp, "output_len": out, "shared_prefix_len": prefix,
+             "levels": [_tune_level(c, 100 * c * ratio, c * ratio) for c in (1, 16)]}))
+    (tmp_path / "tuned.json").write_text(json.dumps({
+        "flags": ["--max-num-seqs", "16"], "reasons": {"--max-num-seqs": "measured: 1.40x"},
+        "candidates": [{"name": "cap", "flags": ["--max-num-seqs", "16"], "wins": True, "reason": "1.40x"}]}))
+    return tmp_path
+
+
+def test_tune_table_compares_the_winner_with_vllm_defaults_per_shape(tmp_path: Path):
+    directory = _tune_dir(tmp_path, winner_by={"8192/256": 1.4}, defaults_by={"512/128": 1.01})
+    tuned = json.loads((directory / "tuned.json").read_text())
+    table = tune_table.rows(tuned, tune_table.load_measurements(directory / "measurements"),
+                            tune_table.load_defaults(directory / "defaults"))
+    assert [(row["shape"], row["concurrency"]) for row in table] == [
+        ("512/128", 1), ("512/128", 16), ("8192/256", 1), ("8192/256", 16)]
+    long_row = table[3]
+    assert (long_row["plan_tok_s"], long_row["tuned_tok_s"], long_row["defaults_tok_s"]) == (1600, 2240, 1600)
+    verdict = tune_table.targets(table)
+    assert round(verdict["worst_ratio"], 3) == round(1 / 1.01, 3) and verdict["floor_met"]
+    assert verdict["best_shape"] == "8192/256" and verdict["target_met"]
+    text = tune_table.render(tuned, table, verdict)
+    assert "Tuner's choice: --max-num-seqs 16" in text and "| 8192/256 | 16 | 1600 | 1600 | 2240 | 1.40 |" in text
+
+
+def test_tune_table_says_when_a_target_is_missed(tmp_path: Path):
+    directory = _tune_dir(tmp_path, winner_by={"8192/256": 1.1}, defaults_by={"512/128": 1.05})
+    assert tune_table.main([str(directory), "--json", str(tmp_path / "t.json")]) == 0
+    verdict = json.loads((tmp_path / "t.json").read_text())["targets"]
+    assert not verdict["floor_met"] and round(verdict["worst_ratio"], 3) == round(1 / 1.05, 3)
+    assert not verdict["target_met"] and round(verdict["best_gain"], 2) == 1.10
