@@ -225,6 +225,28 @@ section_agreement() {
     stop_server
 }
 
+write_config() {  # FILE WORKLOAD STATE_DIR MAX_LEN (0: the planner's) EXTRA_ARGS (a YAML list) [PLAN_FILE]
+    cat > "$1" <<YAML
+model:
+  path: $MODEL_DIR
+  served_name: $SERVED
+api:
+  host: 127.0.0.1
+  port: $PORT
+plan:
+  engine: $ENGINE
+  workload: $2
+  max_model_len: $4
+  extra_args: $5
+paths:
+  state_dir: $3
+${6:+  plan_file: $6}
+serve:
+  startup_timeout: $HEALTH_WAIT
+YAML
+    cp "$1" "$RESULTS/"
+}
+
 section_kimi() {  # WORKLOAD [SWEEP: yes|no]
     local workload=$1 sweep_too=${2:-yes} config="kimi-$1"
     [[ $SHAPE == llama-3.1-8b ]] || config="kimi-$1-$SHAPE"
@@ -239,25 +261,7 @@ section_kimi() {  # WORKLOAD [SWEEP: yes|no]
     "$PYTHON" -m kimi_service plan --model "$MODEL_DIR" --gpus "$(gpu_spec)" --max-model-len "$MAX_LEN" \
         --workload "$workload" --json > "$RESULTS/plan-cli-$config.json" 2> "$KIMI_WORK/logs/plan-$config.err" \
         || { echo "warning: kimi-service plan failed:"; cat "$KIMI_WORK/logs/plan-$config.err"; }
-    cat > "$conf" <<YAML
-model:
-  path: $MODEL_DIR
-  served_name: $SERVED
-api:
-  host: 127.0.0.1
-  port: $PORT
-plan:
-  engine: $ENGINE
-  workload: $workload
-  max_model_len: $MAX_LEN
-  extra_args: $extra_args
-paths:
-  state_dir: $KIMI_WORK/state
-  plan_file: $plan
-serve:
-  startup_timeout: $HEALTH_WAIT
-YAML
-    cp "$conf" "$RESULTS/"
+    write_config "$conf" "$workload" "$KIMI_WORK/state" "$MAX_LEN" "$extra_args" "$plan"
     # No systemd there: without NOTIFY_SOCKET the supervisor skips sd_notify.
     start_server "$logfile" env -u NOTIFY_SOCKET "$PYTHON" -m kimi_service serve --config "$conf"
     wait_healthy "$logfile"
@@ -302,22 +306,8 @@ section_tune() {
     read -ra shapes <<< "$TUNE_SHAPES"
     first=${shapes[0]}
     for shape in "${shapes[@]:1}"; do more+=(--also-shape "$shape"); done
-    cat > "$conf" <<YAML
-model:
-  path: $MODEL_DIR
-  served_name: $SERVED
-api:
-  host: 127.0.0.1
-  port: $PORT
-plan:
-  engine: $ENGINE
-  workload: chat
-paths:
-  state_dir: $state
-serve:
-  startup_timeout: $HEALTH_WAIT
-YAML
-    cp "$conf" "$RESULTS/"
+    # The planner's own context length (0), as an operator's config leaves it.
+    write_config "$conf" chat "$state" 0 "[]"
     log "tune: kimi-service tune $SHAPE, budget $TUNE_BUDGET, shapes $TUNE_SHAPES, concurrency $TUNE_CONCURRENCY"
     # In the background: a budget outlasts one call; a run cut short resumes from its measurements.
     # shellcheck disable=SC2046
