@@ -94,7 +94,8 @@ def parse_duration(text: str) -> float:
 Point = tuple[str, int]  # (the request shape's label, "" for a workload of one shape; concurrency)
 
 
-def _level_map(levels: Sequence[dict[str, Any]]) -> dict[Point, dict[str, Any]]:
+def level_map(levels: Sequence[dict[str, Any]]) -> dict[Point, dict[str, Any]]:
+    """A measurement's levels by (request shape, concurrency)."""
     return {(level.get("traffic", ""), level["concurrency"]): level for level in levels}
 
 
@@ -107,7 +108,7 @@ def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, n
     """Whether `candidate` beats `baseline` without losing anywhere (see the module docstring)."""
     if candidate.error:
         return Verdict(False, 0.0, f"did not run: {candidate.error}")
-    base, cand = _level_map(baseline.levels), _level_map(candidate.levels)
+    base, cand = level_map(baseline.levels), level_map(candidate.levels)
     if set(base) != set(cand):
         return Verdict(False, 0.0, "measured other concurrency levels or request shapes than the baseline")
     worst: tuple[float, str] | None = None
@@ -316,13 +317,13 @@ def _traffics(levels: Sequence[dict[str, Any]]) -> list[str]:
 
 def format_table(outcome: Outcome) -> str:
     traffics = _traffics(outcome.baseline.levels)
-    levels = sorted({conc for _, conc in _level_map(outcome.baseline.levels)})
+    levels = sorted({conc for _, conc in level_map(outcome.baseline.levels)})
     width = max(len("traffic"), *map(len, traffics)) if traffics != [""] else 0
     header = (f"{'candidate':<40} " + (f"{'traffic':<{width}} " if width else "")
               + " ".join(f"{f'c={c} tok/s':>12} {'goodput':>8}" for c in levels) + "  verdict")
     lines = [header, "-" * len(header)]
     for m, verdict in [(outcome.baseline, None), *outcome.measured]:
-        by = _level_map(m.levels)
+        by = level_map(m.levels)
         said = "baseline" if verdict is None else ("WINS " if verdict.wins else "loses ") + verdict.reason
         if m is outcome.winner:
             said = "<- applied: " + said
@@ -344,7 +345,7 @@ def write_plot(outcome: Outcome, path: Path) -> None:
     fig, axes = plt.subplots(1, len(traffics), figsize=(6 + 3 * len(traffics), 4), squeeze=False)
     for axis, traffic in zip(axes[0], traffics, strict=True):
         for m in [outcome.baseline, *(m for m, _ in outcome.measured)]:
-            by = {conc: level for (shape, conc), level in _level_map(m.levels).items() if shape == traffic}
+            by = {conc: level for (shape, conc), level in level_map(m.levels).items() if shape == traffic}
             levels = sorted(by)
             axis.plot(levels, [by[c]["goodput_requests_per_s"] for c in levels], marker="o",
                       linewidth=2.5 if m is outcome.winner else 1, label=m.candidate.name[:40])

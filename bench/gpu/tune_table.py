@@ -15,19 +15,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-FLOOR = 0.98  # tuned must be at least this share of vLLM's defaults at every point
-TARGET = 1.25  # and this much better in goodput on at least one workload
+from kimi_service.tune import FLOOR, level_map  # the tuner's own floor holds against vLLM's defaults too
+from kimi_service.tuned import Shape
 
-
-def shape_label(input_len: int, output_len: int, shared_prefix_len: int) -> str:
-    return f"{input_len}/{output_len}" + (f"+{shared_prefix_len}" if shared_prefix_len else "")
+TARGET = 1.25  # tuned must be this much better in goodput on at least one workload
 
 
 def load_defaults(directory: Path) -> dict[tuple[str, int], dict[str, Any]]:
     points = {}
     for path in sorted(directory.glob("*.json")):
         report = json.loads(path.read_text())
-        label = shape_label(report["input_len"], report["output_len"], report["shared_prefix_len"])
+        label = Shape(report["input_len"], report["output_len"], report["shared_prefix_len"]).label
         for level in report["levels"]:
             points[label, level["concurrency"]] = level
     return points
@@ -38,8 +36,7 @@ def load_measurements(directory: Path) -> dict[tuple[str, ...], dict[tuple[str, 
     found = {}
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
-        found[tuple(data["candidate"]["flags"])] = {(level.get("traffic", ""), level["concurrency"]): level
-                                                    for level in data["levels"]}
+        found[tuple(data["candidate"]["flags"])] = level_map(data["levels"])
     return found
 
 
