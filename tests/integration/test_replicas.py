@@ -35,8 +35,8 @@ from tests.support.cpu_site import (
     SERVED,
     SMALL_ENGINE_ARGS,
     cpu_site_vars,
+    engine_placement,
     gateway,
-    own_core_each,
     runtime_layer,
 )
 from tests.support.hub_server import HubServer
@@ -80,7 +80,7 @@ def hub(balancer):
 @pytest.fixture(scope="module")
 def replica_host_vars(replicas):
     # A replica restarted beside a busy one must not starve on the core they would share.
-    host_vars = own_core_each(replicas)
+    host_vars = engine_placement(replicas)
     # The product's default engine path, not --enforce-eager, on the replica no test restarts.
     host_vars[replicas[1].name]["kimi_vllm_extra_args"] = COMPILED_ENGINE_ARGS
     return host_vars

@@ -76,7 +76,7 @@ def engine_core() -> str:
 FLOATING_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
-def own_core_each(hosts: list[TestHost]) -> dict[str, dict]:
+def engine_placement(hosts: list[TestHost]) -> dict[str, dict]:
     """Host variables for several engines of one worker: the first on the worker's core, the others
     floating. Two cores cannot isolate three engines: bound to the other worker's core, a replica busy
     under load starved that worker's engine starting there (a container's first start that never
