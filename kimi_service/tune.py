@@ -5,20 +5,23 @@ Tuning starts the engine once per candidate flag set, sweeps it with the operato
 closed loop at each concurrency, its exact-length prompts, for each request shape of a mix) and stops it:
 
 1. the plan as it is, the baseline;
-2. the plan plus one speed change each (the workload's trial values, a batch cap at the workload's
-   concurrency, CUDA graphs captured only up to it, async scheduling, FP8 KV where the GPU has it and the
-   cache is what bounds the workload, the catalog's draft model when its weights are on the host, or the
-   operator's own `--candidate` sets);
-3. every single change that won, together.
+2. the plan plus one speed change each (the workload's trial values, smaller prefill chunks where long
+   prompts meet an ITL objective, CUDA graphs captured only up to the workload's concurrency, a batch cap
+   at it, larger prefill chunks for long prompts, async scheduling where the engine does not default to it,
+   FP8 KV where the GPU has it and the cache is what bounds the workload, the catalog's draft model when
+   its weights are on the host, or the operator's own `--candidate` sets), likeliest first, since the
+   budget may end the list;
+3. every single change that won, together (of two values of one flag, the better one's).
 
-A candidate wins only when it is at least `floor` (0.98) x the baseline in output tokens/s and in goodput
-at every concurrency of every request shape, with no failed request, and beats the baseline's goodput
-(the geometric mean of the per-level ratios; tokens/s at a level where no request met the SLO) by more
-than the noise margin. The best winner is written to `tuned.json` in the state directory with each flag's
-measured reason; serve adds those flags to the plan while the file was measured for the same model, engine,
-GPUs, workload, traffic and operator flags, and ignores it otherwise. Each measurement is kept as it
-finishes, so an interrupted or over-budget run resumes where it stopped; the engine's compile caches are the
-service's own, so the winner's first start as a service reuses them.
+A candidate wins only when it is at least `floor` (0.98) x the baseline in output tokens/s and in goodput at
+every concurrency of every request shape, with no failed request, and beats the baseline's goodput (the
+geometric mean of the per-level ratios, each side given half a request more, so that a level where the
+baseline met the SLO with no request still counts) by more than the noise margin. The best winner is written
+to `tuned.json` in the state directory with each flag's measured reason; serve adds those flags to the plan
+while the file was measured for the same model, engine, GPUs, workload, traffic and operator flags, and
+ignores it otherwise. Each measurement is kept as it finishes, so an interrupted or over-budget run resumes
+where it stopped; the engine's compile caches are the service's own, so the winner's first start as a service
+reuses them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from kimi_service.config import Config
 from kimi_service.engine_flags import check_extra_args, option_name
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.files import write_atomic
+from kimi_service.planner.budget import DEFAULT_BATCHED_TOKENS
 from kimi_service.plots import pyplot
 from kimi_service.tuned import TUNED_FILE, Workload, configuration_key, read_tuned
 from kimi_service.workloads import PROFILES
@@ -51,6 +55,10 @@ from kimi_service.workloads import PROFILES
 FLOOR = 0.98  # a candidate below this share of the baseline at any point loses
 NOISE = 0.02  # and must beat the baseline's summed goodput by more than this to win
 START_TIMEOUT_S = 1800.0
+SHORT_PREFILL_TOKENS = 2048
+# vLLM 0.21 logs "Asynchronous scheduling is enabled" with no flag given: the candidate would be the
+# baseline measured again.
+ASYNC_SCHEDULING_DEFAULT_SINCE = (0, 21)
 
 
 @dataclass(frozen=True)
@@ -122,18 +130,36 @@ def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, n
     if worst is not None and worst[0] < floor:
         return Verdict(False, worst[0], worst[1])
     # Each level counts alike (a sum would be the highest concurrency's alone): the geometric mean of the
-    # per-level ratios, of goodput where the baseline met the SLO at all, else of output tokens/s.
-    ratios = {}
-    for point in sorted(base):
-        measure = "goodput_requests_per_s" if base[point]["goodput_requests_per_s"] > 0 else "output_tokens_per_s"
-        ratios[point] = cand[point][measure] / base[point][measure] if base[point][measure] else 1.0
+    # per-level goodput ratios.
+    ratios = {point: _goodput_ratio(base[point], cand[point]) for point in sorted(base)}
     score = math.prod(ratios.values()) ** (1 / len(ratios)) if ratios else 0.0
     best = max(sorted(ratios), key=ratios.__getitem__)
-    detail = (f"{score:.2f}x the baseline's goodput (geometric mean over the levels; tokens/s where no request "
-              f"met the SLO), {ratios[best]:.2f}x at {_said(best)}")
+    detail = (f"{score:.2f}x the baseline's goodput (geometric mean over the levels), {ratios[best]:.2f}x at "
+              f"{_said(best)} ({_goodput_said(base[best])} -> {_goodput_said(cand[best])})")
     if score <= 1 + noise:
         return Verdict(False, score, f"no better than the baseline: {detail}")
     return Verdict(True, score, detail)
+
+
+def _goodput_ratio(base: dict[str, Any], cand: dict[str, Any]) -> float:
+    """Goodput over the baseline's with half a request added to each side. Where the baseline met the SLO
+    with no request, a candidate that brings some into it still counts as a gain (a plain ratio would be
+    undefined); where neither met it, the ratio is that of the same requests' durations: their throughput."""
+    def smoothed(level: dict[str, Any]) -> float:
+        return level["goodput_requests_per_s"] + 0.5 / level["duration_s"]
+
+    return smoothed(cand) / smoothed(base)
+
+
+def _goodput_said(level: dict[str, Any]) -> str:
+    good = round(level["goodput_requests_per_s"] * level["duration_s"])
+    return f"{good} of {level['requests']} requests in the SLO"
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    """`0.21.0` -> (0, 21, 0); unknown or unparsable reads as the newest."""
+    found = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(found.group(1)), int(found.group(2))) if found else (10**6,)
 
 
 def trial_candidates(
@@ -157,19 +183,28 @@ def trial_candidates(
     if profile.trial_max_num_seqs:
         add("max-num-seqs", ("--max-num-seqs", str(profile.trial_max_num_seqs)),
             f"the {profile.name} workload's batch size ({profile.why})")
-    add("max-num-seqs-at-load", ("--max-num-seqs", str(max(top, 8))),
-        f"batches no larger than the {top} clients: smaller activation reserve, more KV cache")
     if profile.trial_batched_tokens:
         add("max-num-batched-tokens", ("--max-num-batched-tokens", str(profile.trial_batched_tokens)),
             f"the {profile.name} workload's prefill chunk ({profile.why})")
+    if workload.slo.itl and top > 1 and longest_prompt > SHORT_PREFILL_TOKENS:
+        # A decode step that shares its batch with a full default chunk of someone's prompt takes as long
+        # as that prefill; with many clients and long prompts that is most steps, and each can break the ITL
+        # objective. Smaller chunks keep steps short at some cost in time to first token.
+        add("short-prefill-chunks", ("--max-num-batched-tokens", str(SHORT_PREFILL_TOKENS)),
+            f"prompts of up to {longest_prompt:,} tokens prefilled {SHORT_PREFILL_TOKENS:,} at a time (vLLM's "
+            f"default chunk is {DEFAULT_BATCHED_TOKENS:,}): decode steps that share a batch with a prefill stay "
+            f"short, for the SLO's ITL <= {workload.slo.itl} s")
+    if plan.get("engine") == "cuda" and top < 512:
+        add("cuda-graphs-to-load", ("--max-cudagraph-capture-size", str(max(top, 8))),
+            f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
+    add("max-num-seqs-at-load", ("--max-num-seqs", str(max(top, 8))),
+        f"batches no larger than the {top} clients: smaller activation reserve, more KV cache")
     if longest_prompt >= 2048:
         add("long-prefill-chunks", ("--max-num-batched-tokens", "16384"),
             "long prompts: fewer, larger prefill chunks")
     if plan.get("engine") == "cuda":
-        if top < 512:
-            add("cuda-graphs-to-load", ("--max-cudagraph-capture-size", str(max(top, 8))),
-                f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
-        add("async-scheduling", ("--async-scheduling",), "schedules the next step while the GPU runs this one")
+        if _version(plan.get("vllm_version")) < ASYNC_SCHEDULING_DEFAULT_SINCE:
+            add("async-scheduling", ("--async-scheduling",), "schedules the next step while the GPU runs this one")
         if gpu_fp8 and plan.get("kv_cache_dtype") in (None, "auto") and \
                 plan.get("kv_cache_tokens", 0) < top * longest * 2:
             add("fp8-kv-cache", ("--kv-cache-dtype", "fp8"),
@@ -273,17 +308,29 @@ def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_
             result = run(candidate)
             measured.append((result, judge(baseline, result)))
             log(f"{candidate.name}: {'wins' if measured[-1][1].wins else 'loses'} ({measured[-1][1].reason})")
-    winners = [m for m, v in measured if v.wins]
+    winners = _one_per_option([m for m, v in sorted(measured, key=lambda pair: -pair[1].score) if v.wins])
     if len(winners) > 1:
         flags = tuple(flag for m in winners for flag in m.candidate.flags)
         combined = Candidate(" + ".join(m.candidate.name for m in winners), flags,
-                             "every single change that won, together")
+                             "every single change that won, together (of two values of one flag, the better)")
         if within_budget(combined):
             result = run(combined)
             measured.append((result, judge(baseline, result)))
             log(f"{combined.name}: {'wins' if measured[-1][1].wins else 'loses'} ({measured[-1][1].reason})")
     best = max(((m, v) for m, v in measured if v.wins), key=lambda pair: pair[1].score, default=None)
     return Outcome(baseline, measured, skipped, best[0] if best else baseline, reused)
+
+
+def _one_per_option(ranked: Sequence[Measurement]) -> list[Measurement]:
+    """Of winners that set the same option to other values, the first (the best ranked)."""
+    kept: list[Measurement] = []
+    taken: set[str] = set()
+    for measurement in ranked:
+        options = {option_name(token) for token in measurement.candidate.flags if token.startswith("-")}
+        if not options & taken:
+            kept.append(measurement)
+            taken |= options
+    return kept
 
 
 def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -32,8 +32,9 @@ BASELINE = {1: (100.0, 1.0), 16: (1000.0, 8.0), 64: (2000.0, 10.0)}  # concurren
 
 
 def levels(points: dict[int, tuple[float, float]], errors: int = 0) -> list[dict]:
-    return [{"concurrency": c, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": errors}
-            for c, (tok, good) in points.items()]
+    """Each level 1,000 output tokens long, as bench's levels of one request shape are."""
+    return [{"concurrency": c, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": errors,
+             "duration_s": 1000 / tok, "requests": 32} for c, (tok, good) in points.items()]
 
 
 def measured(name: str, points: dict[int, tuple[float, float]], flags: tuple[str, ...] = (), **kw) -> Measurement:
@@ -64,14 +65,26 @@ def test_failed_requests_or_a_failed_start_lose():
 def test_within_noise_is_not_a_win_and_the_reason_names_the_gain():
     assert not judge(BASE, measured("same", scaled({16: 1.01}))).wins
     verdict = judge(BASE, measured("better", scaled({16: 1.5})))
-    assert verdict.wins and verdict.score == pytest.approx(1.5 ** (1 / 3))
-    assert "1.50x at concurrency 16" in verdict.reason
+    # Goodput at 16 clients: 8 req/s over 1 s (8 requests in the SLO); 12 over 1/1.5 s (8 too), each given
+    # half a request more.
+    at_16 = (12 + 0.5 * 1.5) / (8 + 0.5)
+    assert verdict.wins and verdict.score == pytest.approx(at_16 ** (1 / 3))
+    assert f"{at_16:.2f}x at concurrency 16" in verdict.reason
 
 
-def test_without_any_request_in_the_slo_tokens_per_second_decide():
+def test_without_any_request_in_the_slo_throughput_decides():
     base = measured("plan", {1: (100.0, 0.0), 16: (1000.0, 0.0)})
     verdict = judge(base, measured("x", {1: (150.0, 0.0), 16: (1000.0, 0.0)}))
-    assert verdict.wins and "tokens/s" in verdict.reason
+    assert verdict.wins and verdict.score == pytest.approx(1.5 ** (1 / 2))
+    assert "1.50x at concurrency 1 (0 of 32 requests in the SLO -> 0 of 32" in verdict.reason
+
+
+def test_bringing_requests_into_an_slo_the_baseline_met_with_none_wins():
+    # Long prompts at 16 clients: the baseline's prefill chunks stall every decode past the ITL bound.
+    base = measured("plan", {1: (100.0, 1.0), 16: (1000.0, 0.0)})
+    verdict = judge(base, measured("short-chunks", {1: (99.0, 0.99), 16: (990.0, 5.0)}))
+    assert verdict.wins and "at concurrency 16 (0 of 32 requests in the SLO -> 5 of 32" in verdict.reason
+    assert not judge(base, measured("same", {1: (99.0, 0.99), 16: (990.0, 0.0)})).wins
 
 
 class Bench:
@@ -246,6 +259,39 @@ def test_request_shapes_parse_and_enter_the_key(tmp_path: Path):
     plan_doc = {"argv": ["vllm", "serve", "m"], "workload": "chat", "engine": "cuda"}
     assert "long-prefill-chunks" not in {c.name for c in trial_candidates(plan_doc, alone)}
     assert "long-prefill-chunks" in {c.name for c in trial_candidates(plan_doc, mixed)}
+
+
+def test_long_prompts_under_an_itl_objective_bring_short_prefill_chunks_first():
+    plan_doc = {"argv": ["vllm", "serve", "m"], "workload": "chat", "engine": "cuda", "vllm_version": "0.21.0"}
+    mixed = Workload(more_shapes=(Shape(8192, 256),))
+    names = [c.name for c in trial_candidates(plan_doc, mixed)]
+    assert names[0] == "short-prefill-chunks" and "long-prefill-chunks" in names
+    short = next(c for c in trial_candidates(plan_doc, mixed) if c.name == "short-prefill-chunks")
+    assert short.flags == ("--max-num-batched-tokens", "2048") and "ITL <= 0.1 s" in short.why
+    # Not without an ITL objective, nor for one client (no other request's prefill to wait behind), nor when
+    # every prompt fits one short chunk.
+    for workload in (replace(mixed, slo=bench.Slo(ttft=1.0)), replace(mixed, concurrency=(1,)), Workload()):
+        assert "short-prefill-chunks" not in {c.name for c in trial_candidates(plan_doc, workload)}
+
+
+def test_async_scheduling_is_tried_only_where_the_engine_does_not_default_to_it():
+    plan_doc = {"argv": ["vllm", "serve", "m"], "workload": "chat", "engine": "cuda"}
+    for version, tried in (("0.21.0", False), ("0.22.1", False), ("0.20.2", True), ("0.9.2", True)):
+        names = {c.name for c in trial_candidates({**plan_doc, "vllm_version": version}, Workload())}
+        assert ("async-scheduling" in names) is tried, version
+
+
+def test_winners_setting_one_flag_to_two_values_combine_with_the_better_value(tmp_path: Path):
+    singles = [Candidate("short", ("--max-num-batched-tokens", "2048"), ""),
+               Candidate("long", ("--max-num-batched-tokens", "16384"), ""),
+               Candidate("graphs", ("--max-cudagraph-capture-size", "64"), "")]
+    results = {"plan": BASELINE, "short": scaled({16: 1.1}), "long": scaled({16: 1.3}), "graphs": scaled({64: 1.1}),
+               "long + graphs": scaled({16: 1.3, 64: 1.1})}
+    engine = Bench(results)
+    outcome = search(singles, engine.measure, Store(tmp_path, "k"), 3600, log=lambda _: None,
+                     clock=lambda: engine.now)
+    assert engine.started[-1] == "long + graphs"
+    assert outcome.winner.candidate.flags == ("--max-num-batched-tokens", "16384", "--max-cudagraph-capture-size", "64")
 
 
 def test_the_cli_refuses_a_malformed_shape_before_anything_starts(tmp_path: Path):
