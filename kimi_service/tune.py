@@ -131,7 +131,7 @@ def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, n
         return Verdict(False, worst[0], worst[1])
     # Each level counts alike (a sum would be the highest concurrency's alone): the geometric mean of the
     # per-level goodput ratios.
-    ratios = {point: _goodput_ratio(base[point], cand[point]) for point in sorted(base)}
+    ratios = {point: goodput_ratio(base[point], cand[point]) for point in sorted(base)}
     score = math.prod(ratios.values()) ** (1 / len(ratios)) if ratios else 0.0
     best = max(sorted(ratios), key=ratios.__getitem__)
     detail = (f"{score:.2f}x the baseline's goodput (geometric mean over the levels), {ratios[best]:.2f}x at "
@@ -141,7 +141,7 @@ def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, n
     return Verdict(True, score, detail)
 
 
-def _goodput_ratio(base: dict[str, Any], cand: dict[str, Any]) -> float:
+def goodput_ratio(base: dict[str, Any], cand: dict[str, Any]) -> float:
     """Goodput over the baseline's with half a request added to each side. Where the baseline met the SLO
     with no request, a candidate that brings some into it still counts as a gain (a plain ratio would be
     undefined); where neither met it, the ratio is that of the same requests' durations: their throughput."""

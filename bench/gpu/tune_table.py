@@ -15,7 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kimi_service.tune import FLOOR, level_map  # the tuner's own floor holds against vLLM's defaults too
+# The tuner's own floor and goodput ratio hold against vLLM's defaults too.
+from kimi_service.tune import FLOOR, goodput_ratio, level_map
 from kimi_service.tuned import Shape
 
 TARGET = 1.25  # tuned must be this much better in goodput on at least one workload
@@ -64,18 +65,20 @@ def rows(tuned: dict[str, Any], measurements: dict, defaults: dict) -> list[dict
             row[f"{name}_goodput"] = levels[point]["goodput_requests_per_s"]
         row["tok_s_ratio"] = _ratio(row["tuned_tok_s"], row["defaults_tok_s"])
         row["goodput_ratio"] = _ratio(row["tuned_goodput"], row["defaults_goodput"])
+        row["goodput_gain"] = goodput_ratio(default, winner[point])
         table.append(row)
     return table
 
 
 def targets(table: list[dict[str, Any]]) -> dict[str, Any]:
     """The floor at every point (where defaults met the SLO at all, for goodput), and per shape the goodput
-    gain: the geometric mean over its levels where vLLM's defaults had any goodput."""
+    gain: the geometric mean over its levels of the tuner's own goodput ratio (half a request more on each
+    side, so a level where vLLM's defaults met the SLO with no request counts)."""
     ratios = [r for row in table for r in (row["tok_s_ratio"], row["goodput_ratio"]) if r is not None]
     worst = min(ratios, default=None)
     gains = {}
     for shape in dict.fromkeys(row["shape"] for row in table):
-        per_level = [row["goodput_ratio"] for row in table if row["shape"] == shape and row["goodput_ratio"]]
+        per_level = [row["goodput_gain"] for row in table if row["shape"] == shape]
         if per_level:
             gains[shape] = math.prod(per_level) ** (1 / len(per_level))
     best = max(gains.items(), key=lambda item: item[1], default=(None, None))

@@ -89,7 +89,8 @@ def test_summary_computes_the_issue_targets(tmp_path: Path):
 
 
 def _tune_level(conc: int, tok: float, good: float, traffic: str | None = None) -> dict:
-    level = {"concurrency": conc, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": 0}
+    level = {"concurrency": conc, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": 0,
+             "duration_s": 1000 / tok, "requests": 32}
     return {**level, "traffic": traffic} if traffic else level
 
 
@@ -128,6 +129,22 @@ def test_tune_table_compares_the_winner_with_vllm_defaults_per_shape(tmp_path: P
     assert verdict["best_shape"] == "8192/256" and verdict["target_met"]
     text = tune_table.render(tuned, table, verdict)
     assert "Tuner's choice: --max-num-seqs 16" in text and "| 8192/256 | 16 | 1600 | 1600 | 2240 | 1.40 |" in text
+
+
+def test_tune_table_counts_a_gain_where_vllm_defaults_met_the_slo_with_no_request(tmp_path: Path):
+    directory = _tune_dir(tmp_path, winner_by={}, defaults_by={})
+    for path in (directory / "defaults").glob("8192*.json"):
+        report = json.loads(path.read_text())
+        for level in report["levels"]:
+            level["goodput_requests_per_s"] = 0.0
+        path.write_text(json.dumps(report))
+    tuned = json.loads((directory / "tuned.json").read_text())
+    table = tune_table.rows(tuned, tune_table.load_measurements(directory / "measurements"),
+                            tune_table.load_defaults(directory / "defaults"))
+    verdict = tune_table.targets(table)
+    # 10 requests in the SLO against none: (10 + 0.5) / 0.5 at each level.
+    assert verdict["best_shape"] == "8192/256" and round(verdict["best_gain"], 6) == 21.0
+    assert verdict["goodput_gain_by_shape"]["512/128"] == 1.0
 
 
 def test_tune_table_says_when_a_target_is_missed(tmp_path: Path):
