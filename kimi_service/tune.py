@@ -157,7 +157,7 @@ def _goodput_said(level: dict[str, Any]) -> str:
 
 
 def _version(text: str | None) -> tuple[int, ...]:
-    """`0.21.0` -> (0, 21, 0); unknown or unparsable reads as the newest."""
+    """`0.21.0` -> (0, 21): major and minor; unknown or unparsable reads as the newest."""
     found = re.match(r"(\d+)\.(\d+)", text or "")
     return (int(found.group(1)), int(found.group(2))) if found else (10**6,)
 
