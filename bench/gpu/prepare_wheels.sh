@@ -13,6 +13,11 @@ PART_BYTES=60000000
 VLLM_SHA256_PREFIX=f4a75b13
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 [[ -x $PYTHON ]] || PYTHON=python3
+# The ansible-core pin is read from the controller's install: fail before the long download, not after it.
+"$PYTHON" -c 'import ansible.release' 2>/dev/null || {
+    echo "prepare_wheels.sh: $PYTHON has no ansible-core; run scripts/bootstrap.sh (or make bootstrap) first" >&2
+    exit 1
+}
 
 platforms=()
 for n in $(seq 5 39); do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
