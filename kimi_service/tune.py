@@ -519,8 +519,8 @@ class Session:
         started = time.monotonic()
 
         def log(message: str) -> None:
-            spent = time.monotonic() - started
-            print(f"[{spent // 60:02.0f}:{spent % 60:02.0f} of {self.budget_s / 60:.0f} min] {message}",
+            minutes, seconds = divmod(round(time.monotonic() - started), 60)
+            print(f"[{minutes:02d}:{seconds:02d} of {self.budget_s / 60:.0f} min] {message}",
                   file=sys.stderr, flush=True)
 
         log(f"tuning for {self.workload.describe()}; {len(self.singles)} candidate(s): "

@@ -3,7 +3,8 @@
 
 Reads DIR/tuned.json and DIR/measurements/*.json (the tuner's store: one file per candidate, levels labelled
 with their request shape) and DIR/defaults/*.json (kimi-service bench reports of `vllm serve MODEL`, one per
-shape). Prints markdown; --json writes the same rows.
+shape; a run short of device time may have none, and then the plan and the winner stand alone). Prints
+markdown; --json writes the same rows.
 Usage: tune_table.py DIR [--json FILE]
 """
 
@@ -49,23 +50,24 @@ def rows(tuned: dict[str, Any], measurements: dict, defaults: dict) -> list[dict
     plan, winner = measurements.get(()), measurements.get(tuple(tuned["flags"]))
     if plan is None or winner is None:
         raise SystemExit("the tuner's store lacks the plan's or the winner's measurement")
-    shapes = {shape for shape, _ in defaults}
-    if len(shapes) == 1:  # a tune of one request shape labels none of its levels
-        (only,) = shapes
-        plan, winner = ({(shape or only, conc): level for (shape, conc), level in levels.items()}
-                        for levels in (plan, winner))
+    # A tune of one request shape labels none of its levels: the workload names it.
+    first = Shape(**{key: tuned["workload"][key] for key in ("input_len", "output_len", "shared_prefix_len")})
+    plan, winner = ({(shape or first.label, conc): level for (shape, conc), level in levels.items()}
+                    for levels in (plan, winner))
     table = []
     for point in winner:
         default = defaults.get(point)
-        if default is None:
-            continue
         row = {"shape": point[0], "concurrency": point[1]}
-        for name, levels in (("defaults", {point: default}), ("plan", plan), ("tuned", winner)):
-            row[f"{name}_tok_s"] = levels[point]["output_tokens_per_s"]
-            row[f"{name}_goodput"] = levels[point]["goodput_requests_per_s"]
-        row["tok_s_ratio"] = _ratio(row["tuned_tok_s"], row["defaults_tok_s"])
-        row["goodput_ratio"] = _ratio(row["tuned_goodput"], row["defaults_goodput"])
-        row["goodput_gain"] = goodput_ratio(default, winner[point])
+        for name, levels in (("defaults", {point: default} if default else {}), ("plan", plan), ("tuned", winner)):
+            level = levels.get(point)
+            row[f"{name}_tok_s"] = level["output_tokens_per_s"] if level else None
+            row[f"{name}_goodput"] = level["goodput_requests_per_s"] if level else None
+        if default:
+            row["tok_s_ratio"] = _ratio(row["tuned_tok_s"], row["defaults_tok_s"])
+            row["goodput_ratio"] = _ratio(row["tuned_goodput"], row["defaults_goodput"])
+            row["goodput_gain"] = goodput_ratio(default, winner[point])
+        else:
+            row["tok_s_ratio"] = row["goodput_ratio"] = row["goodput_gain"] = None
         table.append(row)
     return table
 
@@ -73,7 +75,9 @@ def rows(tuned: dict[str, Any], measurements: dict, defaults: dict) -> list[dict
 def targets(table: list[dict[str, Any]]) -> dict[str, Any]:
     """The floor at every point (where defaults met the SLO at all, for goodput), and per shape the goodput
     gain: the geometric mean over its levels of the tuner's own goodput ratio (half a request more on each
-    side, so a level where vLLM's defaults met the SLO with no request counts)."""
+    side, so a level where vLLM's defaults met the SLO with no request counts). Points without a
+    vLLM-defaults sweep count for neither."""
+    table = [row for row in table if row["goodput_gain"] is not None]
     ratios = [r for row in table for r in (row["tok_s_ratio"], row["goodput_ratio"]) if r is not None]
     worst = min(ratios, default=None)
     gains = {}
@@ -98,17 +102,22 @@ def render(tuned: dict[str, Any], table: list[dict[str, Any]], verdict: dict[str
     for skipped in tuned.get("skipped", []):
         out.append(f"| {skipped['name']} | `{' '.join(skipped['flags'])}` | skipped: {skipped['reason']} |")
     out += ["", "| shape | conc | vLLM defaults tok/s | plan tok/s | tuned tok/s | tuned / defaults tok/s "
-                "| defaults goodput | tuned goodput | tuned / defaults goodput |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| defaults goodput | plan goodput | tuned goodput | tuned / defaults goodput |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
-    def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
+    def fmt(value: float | None, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
 
     for row in table:
-        out.append(f"| {row['shape']} | {row['concurrency']} | {row['defaults_tok_s']:.0f} | {row['plan_tok_s']:.0f} "
-                   f"| {row['tuned_tok_s']:.0f} | {fmt(row['tok_s_ratio'])} | {row['defaults_goodput']:.2f} "
-                   f"| {row['tuned_goodput']:.2f} | {fmt(row['goodput_ratio'])} |")
+        out.append(f"| {row['shape']} | {row['concurrency']} | {fmt(row['defaults_tok_s'], 0)} "
+                   f"| {fmt(row['plan_tok_s'], 0)} | {fmt(row['tuned_tok_s'], 0)} | {fmt(row['tok_s_ratio'])} "
+                   f"| {fmt(row['defaults_goodput'])} | {fmt(row['plan_goodput'])} | {fmt(row['tuned_goodput'])} "
+                   f"| {fmt(row['goodput_ratio'])} |")
     gains = ", ".join(f"{shape} {gain:.2f}x" for shape, gain in verdict["goodput_gain_by_shape"].items())
+    if verdict["worst_ratio"] is None:
+        out += ["", "- vLLM's defaults were not swept in this run (`run_bench.sh mix-defaults`): no target is "
+                    "measured; the plan and the tuned columns are the tuner's own comparison"]
+        return "\n".join(out)
     out += ["",
             f"- tuned >= {FLOOR}x vLLM's defaults at every point: {'yes' if verdict['floor_met'] else 'NO'} "
             f"(worst {fmt(verdict['worst_ratio'])}x)",

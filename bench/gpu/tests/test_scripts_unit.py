@@ -111,6 +111,7 @@ def _tune_dir(tmp_path: Path, winner_by: dict[str, float], defaults_by: dict[str
              "levels": [_tune_level(c, 100 * c * ratio, c * ratio) for c in (1, 16)]}))
     (tmp_path / "tuned.json").write_text(json.dumps({
         "flags": ["--max-num-seqs", "16"], "reasons": {"--max-num-seqs": "measured: 1.40x"},
+        "workload": {"input_len": 512, "output_len": 128, "shared_prefix_len": 0},
         "candidates": [{"name": "cap", "flags": ["--max-num-seqs", "16"], "wins": True, "reason": "1.40x"}]}))
     return tmp_path
 
@@ -153,3 +154,22 @@ def test_tune_table_says_when_a_target_is_missed(tmp_path: Path):
     verdict = json.loads((tmp_path / "t.json").read_text())["targets"]
     assert not verdict["floor_met"] and round(verdict["worst_ratio"], 3) == round(1 / 1.05, 3)
     assert not verdict["target_met"] and round(verdict["best_gain"], 2) == 1.10
+
+
+def test_tune_table_without_a_defaults_sweep_shows_the_tuners_comparison_and_claims_no_target(tmp_path: Path):
+    directory = _tune_dir(tmp_path, winner_by={"8192/256": 1.4}, defaults_by={})
+    for path in (directory / "defaults").glob("*.json"):
+        path.unlink()
+    for path in (directory / "measurements").glob("*.json"):  # a tune of one shape labels no level
+        data = json.loads(path.read_text())
+        data["levels"] = [{k: v for k, v in level.items() if k != "traffic"} for level in data["levels"]
+                          if level["traffic"] == "512/128"]
+        path.write_text(json.dumps(data))
+    assert tune_table.main([str(directory), "--json", str(tmp_path / "t.json")]) == 0
+    written = json.loads((tmp_path / "t.json").read_text())
+    assert [(row["shape"], row["concurrency"], row["plan_tok_s"], row["defaults_tok_s"])
+            for row in written["rows"]] == [("512/128", 1, 100, None), ("512/128", 16, 1600, None)]
+    assert written["targets"]["worst_ratio"] is None and not written["targets"]["target_met"]
+    text = tune_table.render(written["tuned"], written["rows"], written["targets"])
+    assert "| 512/128 | 16 | - | 1600 | 1600 | - | - | 16.00 | 16.00 | - |" in text
+    assert "were not swept in this run" in text and "at every point" not in text
