@@ -321,6 +321,12 @@ def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_
     return Outcome(baseline, measured, skipped, best[0] if best else baseline, reused)
 
 
+def clock_label(seconds: float) -> str:
+    """mm:ss, rounded once (59.6 s is 01:00, not 00:60)."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes:02d}:{rest:02d}"
+
+
 def _one_per_option(ranked: Sequence[Measurement]) -> list[Measurement]:
     """Of winners that set the same option to other values, the first (the best ranked)."""
     kept: list[Measurement] = []
@@ -519,8 +525,7 @@ class Session:
         started = time.monotonic()
 
         def log(message: str) -> None:
-            minutes, seconds = divmod(round(time.monotonic() - started), 60)
-            print(f"[{minutes:02d}:{seconds:02d} of {self.budget_s / 60:.0f} min] {message}",
+            print(f"[{clock_label(time.monotonic() - started)} of {self.budget_s / 60:.0f} min] {message}",
                   file=sys.stderr, flush=True)
 
         log(f"tuning for {self.workload.describe()}; {len(self.singles)} candidate(s): "

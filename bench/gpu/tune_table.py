@@ -114,7 +114,7 @@ def render(tuned: dict[str, Any], table: list[dict[str, Any]], verdict: dict[str
                    f"| {fmt(row['defaults_goodput'])} | {fmt(row['plan_goodput'])} | {fmt(row['tuned_goodput'])} "
                    f"| {fmt(row['goodput_ratio'])} |")
     gains = ", ".join(f"{shape} {gain:.2f}x" for shape, gain in verdict["goodput_gain_by_shape"].items())
-    if verdict["worst_ratio"] is None:
+    if all(row["defaults_tok_s"] is None for row in table):
         out += ["", "- vLLM's defaults were not swept in this run (`run_bench.sh mix-defaults`): no target is "
                     "measured; the plan and the tuned columns are the tuner's own comparison"]
         return "\n".join(out)

@@ -18,6 +18,7 @@ from kimi_service.tune import (
     Candidate,
     Measurement,
     Store,
+    clock_label,
     format_table,
     judge,
     operator_candidates,
@@ -315,3 +316,7 @@ def test_site_runs_the_tune_stage_only_when_asked_for():
     assert all("Validating arguments" in task for task in plain), plain
     asked = _listed_tasks("--tags", "tune")
     assert any(task.startswith("tune : Run kimi-service tune") for task in asked), asked
+
+
+def test_progress_clock_rounds_once_so_seconds_never_read_60():
+    assert [clock_label(t) for t in (0, 59.4, 59.6, 119.6, 754.2)] == ["00:00", "00:59", "01:00", "02:00", "12:34"]
