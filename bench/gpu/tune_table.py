@@ -18,7 +18,7 @@ from typing import Any
 
 # The tuner's own floor and goodput ratio hold against vLLM's defaults too.
 from kimi_service.tune import FLOOR, goodput_ratio, level_map
-from kimi_service.tuned import Shape
+from kimi_service.tuned import Shape, Workload
 
 TARGET = 1.25  # tuned must be this much better in goodput on at least one workload
 
@@ -51,15 +51,14 @@ def rows(tuned: dict[str, Any], measurements: dict, defaults: dict) -> list[dict
     if plan is None or winner is None:
         raise SystemExit("the tuner's store lacks the plan's or the winner's measurement")
     # A tune of one request shape labels none of its levels: the workload names it.
-    first = Shape(**{key: tuned["workload"][key] for key in ("input_len", "output_len", "shared_prefix_len")})
+    first = Workload.from_json(tuned["workload"]).shapes[0]
     plan, winner = ({(shape or first.label, conc): level for (shape, conc), level in levels.items()}
                     for levels in (plan, winner))
     table = []
     for point in winner:
         default = defaults.get(point)
         row = {"shape": point[0], "concurrency": point[1]}
-        for name, levels in (("defaults", {point: default} if default else {}), ("plan", plan), ("tuned", winner)):
-            level = levels.get(point)
+        for name, level in (("defaults", default), ("plan", plan.get(point)), ("tuned", winner[point])):
             row[f"{name}_tok_s"] = level["output_tokens_per_s"] if level else None
             row[f"{name}_goodput"] = level["goodput_requests_per_s"] if level else None
         if default:

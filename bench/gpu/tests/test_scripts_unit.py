@@ -111,7 +111,9 @@ def _tune_dir(tmp_path: Path, winner_by: dict[str, float], defaults_by: dict[str
              "levels": [_tune_level(c, 100 * c * ratio, c * ratio) for c in (1, 16)]}))
     (tmp_path / "tuned.json").write_text(json.dumps({
         "flags": ["--max-num-seqs", "16"], "reasons": {"--max-num-seqs": "measured: 1.40x"},
-        "workload": {"input_len": 512, "output_len": 128, "shared_prefix_len": 0},
+        "workload": {"concurrency": [1, 16], "input_len": 512, "output_len": 128, "prompts": 32,
+                     "shared_prefix_len": 0, "slo": {"ttft": 1.0, "itl": 0.1},
+                     "more_shapes": [{"input_len": 8192, "output_len": 256, "shared_prefix_len": 0}]},
         "candidates": [{"name": "cap", "flags": ["--max-num-seqs", "16"], "wins": True, "reason": "1.40x"}]}))
     return tmp_path
 
