@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,9 +28,8 @@ from tests.support.tiny_model import SERVED_NAME
 READY_TIMEOUT = 240.0
 # systemd's WatchdogSec=4 -> serve pings every 2 s at most, every probe (1 s) while healthy.
 WATCHDOG_USEC = 4_000_000
-# Wide enough that the SIGTERM test's late request (sent once /ready says 503, up to 2 s in) reaches
-# vLLM's API server before the window ends, also on a loaded 2-core machine streaming beside it.
-WITHDRAW_DELAY = 6
+# Shorter than the SIGTERM test's requests (about 7 s of work), so that serve's drain has them to wait for.
+WITHDRAW_DELAY = 3
 
 
 class NotifyRecorder:
@@ -104,6 +105,16 @@ class Served:
                               text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
                               check=False)
 
+    def stream_to_file(self, body: dict, out: Path) -> subprocess.Popen[bytes]:
+        """Start a streamed chat completion whose chunks tests/engine/stream_client.py writes to `out`."""
+        argv = [sys.executable, "-m", "tests.engine.stream_client", f"{self.url}/v1/chat/completions", str(out)]
+        client = subprocess.Popen(argv, stdin=subprocess.PIPE, cwd=REPO_ROOT,
+                                  env={**os.environ, "KIMI_TEST_API_KEY": self.api_key})
+        assert client.stdin is not None
+        client.stdin.write(json.dumps(body).encode())
+        client.stdin.close()
+        return client
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -127,7 +138,7 @@ def write_config(directory: Path, model: Path, port: int, state_dir: Path, **ove
         # A 256 MiB KV cache and eager mode keep memory ~2 GB and the start near 40 s.
         "plan": {"engine": "cpu", "extra_args": ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]},
         "paths": {"state_dir": str(state_dir), "plan_file": str(directory / "run" / "plan.json")},
-        # /ready for load balancers; a stop keeps serving 3 s after /ready turns 503.
+        # /ready for load balancers; a stop keeps serving WITHDRAW_DELAY s after /ready turns 503.
         "serve": {"probe_interval": 1, "drain_timeout": 20, "stop_timeout": 20, "ready_port": free_port(),
                   "withdraw_delay": WITHDRAW_DELAY},
         "health": {"timeout": 20},
