@@ -55,7 +55,8 @@ from kimi_service.workloads import PROFILES
 FLOOR = 0.98  # a candidate below this share of the baseline at any point loses
 NOISE = 0.02  # and must beat the baseline's summed goodput by more than this to win
 START_TIMEOUT_S = 1800.0
-SHORT_PREFILL_TOKENS = 2048
+SHORT_PREFILL_TOKENS = 2048  # prefill chunks that keep decode steps short; prompts longer than this are long
+LONG_PREFILL_TOKENS = 16384  # and chunks that prefill them in fewer, larger steps
 # vLLM 0.21 logs "Asynchronous scheduling is enabled" with no flag given: the candidate would be the
 # baseline measured again.
 ASYNC_SCHEDULING_DEFAULT_SINCE = (0, 21)
@@ -199,8 +200,8 @@ def trial_candidates(
             f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
     add("max-num-seqs-at-load", ("--max-num-seqs", str(max(top, 8))),
         f"batches no larger than the {top} clients: smaller activation reserve, more KV cache")
-    if longest_prompt >= 2048:
-        add("long-prefill-chunks", ("--max-num-batched-tokens", "16384"),
+    if longest_prompt >= SHORT_PREFILL_TOKENS:
+        add("long-prefill-chunks", ("--max-num-batched-tokens", str(LONG_PREFILL_TOKENS)),
             "long prompts: fewer, larger prefill chunks")
     if plan.get("engine") == "cuda":
         if _version(plan.get("vllm_version")) < ASYNC_SCHEDULING_DEFAULT_SINCE:
