@@ -260,7 +260,9 @@ def test_sigterm_withdraws_then_drains_in_flight_requests_then_exits_0(served: S
 
     statuses = served.notify.statuses()
     assert any(s.startswith("withdrawing: /ready answers 503") for s in statuses), statuses
-    last_draining = max(i for i, s in enumerate(statuses) if s.startswith("draining: "))
+    draining = [i for i, s in enumerate(statuses) if s.startswith("draining: ")]
+    assert draining, f"serve never looked for requests in flight: {statuses}"
+    last_draining = draining[-1]
     assert statuses[last_draining] == "draining: 0 requests in flight", statuses
     assert "stopping vLLM" in statuses[last_draining:], statuses
     stopping_vllm = served.notify.times("STATUS", "stopping vLLM")
