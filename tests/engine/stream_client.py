@@ -1,8 +1,7 @@
 """Stream one chat completion into a file, as it arrives, from a process of its own.
 
-A streaming client inside the test process shares the interpreter lock with the test and, on a loaded
-2-core machine, reads seconds behind what vLLM sent; this one keeps up, so the file's modification time
-is when the last chunk arrived.
+A streaming client inside the test process would hold the interpreter lock for each of its chunks, and
+the test's own requests (the late one sent during the withdraw window) would wait seconds behind it.
 
     python -m tests.engine.stream_client URL OUT < body.json   (the key in KIMI_TEST_API_KEY)
 """
