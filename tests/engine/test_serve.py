@@ -236,6 +236,7 @@ def test_sigterm_withdraws_then_drains_in_flight_requests_then_exits_0(served: S
     while not (stream_file.exists() and stream_file.read_text().count("data: ") >= 3):
         assert time.monotonic() < deadline and client.poll() is None, "the streamed request never started"
         time.sleep(0.05)
+    events_before = stream_file.read_text().count("data: ")
     sent = time.monotonic()
     served.process.send_signal(signal.SIGTERM)
     ready = _first_ready_answer_not_200(served.ready_url, deadline=sent + 10)
@@ -246,7 +247,7 @@ def test_sigterm_withdraws_then_drains_in_flight_requests_then_exits_0(served: S
                       json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}],
                             "max_tokens": LATE_TOKENS, "ignore_eos": True})
     late_done = time.monotonic()
-    stopping = [t - sent for t, f in served.notify.messages if f.get("STATUS") == "stopping vLLM"]
+    stopping = [t - sent for t in served.notify.times("STATUS", "stopping vLLM")]
     assert late.status_code == 200, (f"sent {late_sent:.2f} s after SIGTERM, answered {late_done - sent:.2f} s "
                                      f"after; vLLM told to stop at {stopping}: {late.text}")
     assert late.json()["usage"]["completion_tokens"] == LATE_TOKENS, late.text
@@ -259,6 +260,7 @@ def test_sigterm_withdraws_then_drains_in_flight_requests_then_exits_0(served: S
     # Counted by the usage vLLM reports, not by chunks: a busy API server merges tokens into one chunk.
     assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS, events[-1]
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"], events[-2:]
+    assert len(events) - events_before >= 10, (events_before, len(events))  # it streamed on after SIGTERM
 
     statuses = served.notify.statuses()
     assert any(s.startswith("withdrawing: /ready answers 503") for s in statuses), statuses
