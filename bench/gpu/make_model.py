@@ -8,9 +8,10 @@ random model can emit decodes to text (a stream of undecodable ids would look li
 Skips the work when DIR already holds a complete model of the same shape.
 
 Two architectures: Llama 3.1 (GQA attention, dense MLP) and DeepSeek-V3 (MLA attention, routed + shared
-experts: the language model of Kimi K2.5), each at its published widths, some with fewer layers.
+experts: the language model of Kimi K2.5), each at its published widths, some with fewer layers; and Kimi K2.5
+itself as it ships (INT4 experts, vision tower, its special tokens) with N layers (kimi_model.py).
 
-Usage: make_model.py DIR [--shape llama-3.1-8b|llama-3.1-70b-16l|deepseek-v3-4l|tiny]
+Usage: make_model.py DIR [--shape llama-3.1-8b|llama-3.1-70b-16l|deepseek-v3-4l|kimi-k2.5-Nl|tiny]
 torch, safetensors and tokenizers are imported where used, so the shape arithmetic loads without them.
 """
 
@@ -22,10 +23,12 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import kimi_model
 import mla_model
 
 if TYPE_CHECKING:
@@ -158,12 +161,14 @@ def _mlp(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def plan_shards(shapes: dict[str, tuple[int, ...]], limit: int) -> list[list[str]]:
-    """Consecutive groups of tensors, each at most `limit` bytes in bf16 (or one tensor if larger)."""
+def plan_shards(shapes: dict[str, object], limit: int, nbytes_of: Callable[[str], int] | None = None
+                ) -> list[list[str]]:
+    """Consecutive groups of tensors, each at most `limit` bytes (bf16 unless `nbytes_of` says), or one
+    tensor if larger."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, dims in shapes.items():
-        nbytes = 2 * _numel(dims)
+        nbytes = nbytes_of(name) if nbytes_of else 2 * _numel(dims)  # type: ignore[arg-type]
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -221,19 +226,22 @@ def training_corpus(lines: int, seed: int = 0) -> list[str]:
     return [" ".join(word() for _ in range(16)) + f" {rng.randrange(10**6)}" for _ in range(lines)]
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
+def build_tokenizer(vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS, tail: Sequence[str] = ()
+                    ) -> Tokenizer:
+    """`special_tokens` take the first ids, `tail` (special too) the last ones, fillers what lies between."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=min(TRAINED_VOCAB, vocab_size // 2), special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=min(TRAINED_VOCAB, vocab_size // 2), special_tokens=list(special_tokens), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(training_corpus(60000), trainer=trainer)
-    filler = vocab_size - tok.get_vocab_size()
+    filler = vocab_size - len(tail) - tok.get_vocab_size()
     tok.add_tokens([AddedToken(f" x{i}", normalized=False) for i in range(filler)])
+    tok.add_special_tokens([AddedToken(name, normalized=False, special=True) for name in tail])
     if tok.get_vocab_size() != vocab_size:
         raise SystemExit(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
     return tok
@@ -285,13 +293,21 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="model directory to create")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--shape", default="llama-3.1-8b", help=f"{', '.join(sorted(SHAPES))} or kimi-k2.5-Nl")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    shape = SHAPES[args.shape]
+    try:
+        shape = SHAPES.get(args.shape) or kimi_model.shape_named(args.shape)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if shape is None:
+        parser.error(f"--shape {args.shape!r}: use one of {', '.join(sorted(SHAPES))} or kimi-k2.5-Nl")
     # The marker holds the whole shape, so a changed table entry makes a new model.
-    widths = shape.config() if isinstance(shape, MlaMoeShape) else asdict(shape)
-    recipe = json.dumps({"shape": args.shape, "special_tokens": SPECIAL_TOKENS, **widths}, sort_keys=True)
+    if isinstance(shape, kimi_model.KimiShape):
+        widths, specials = shape.config(), kimi_model.SPECIAL_IDS
+    else:
+        widths, specials = shape.config() if isinstance(shape, MlaMoeShape) else asdict(shape), SPECIAL_TOKENS
+    recipe = json.dumps({"shape": args.shape, "special_tokens": specials, **widths}, sort_keys=True)
     marker = args.out / DONE_MARKER
     if marker.exists() and marker.read_text().strip() == recipe:
         print(f"{args.out}: {args.shape} already there")
@@ -300,17 +316,19 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     started = time.perf_counter()
-    ids = write_tokenizer(build_tokenizer(shape.vocab_size), work)
-    tokenizer_s = time.perf_counter() - started
-    total = write_weights(shape, work, args.device)
-    write_config(shape, ids, work)
+    if isinstance(shape, kimi_model.KimiShape):
+        total = kimi_model.write(shape, work, args.device)
+    else:
+        ids = write_tokenizer(build_tokenizer(shape.vocab_size), work)
+        total = write_weights(shape, work, args.device)
+        write_config(shape, ids, work)
     for path in work.iterdir():
         path.chmod(0o644)
     (work / DONE_MARKER).write_text(recipe + "\n")
     shutil.rmtree(args.out, ignore_errors=True)
     work.rename(args.out)
-    print(f"{args.out}: {args.shape}, {total / 1e9:.2f} GB of bf16 weights on {args.device}; "
-          f"tokenizer {tokenizer_s:.1f} s, total {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    print(f"{args.out}: {args.shape}, {total / 1e9:.2f} GB of weights on {args.device} "
+          f"in {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@
 #              Llama model, in the background: the planner's KV tokens against vLLM's
 #   moe-probe  the same model under plain `vllm serve` (vLLM's own MoE backend choice) for 150 s, with
 #              what the engine runs meanwhile (compilers), to show why the plan picks Triton's MoE
+#   kimi       Kimi K2.5 as it ships at reduced depth (make_model.py --shape $KIMI_SHAPE, kimi-k2.5-4l: INT4
+#              experts, vision tower, Kimi's tokenizer; 36 GB) through site.yml in place of the served model, in
+#              the background (section wait waits again). Source and deployed copy need twice the weights on
+#              disk: kimi-k2.5-4l wants a 128 GiB disk (nvidia-h100-x2); on 64 GiB use KIMI_SHAPE=kimi-k2.5-2l
+#   kimi-checks  through the deployed endpoint: a chat, a tool call round trip (kimi_k2 tool parser),
+#              reasoning apart from content (kimi_k2 reasoning parser), an image; the plan's KV tokens beside
+#              vLLM's allocation and the MoE backend vLLM picked for the INT4 experts
 #   uninstall  playbooks/uninstall.yml
 set -euo pipefail
 
@@ -35,6 +42,8 @@ WHEELHOUSE="$E2E/wheelhouse"
 ANSIBLE_SITE="$E2E/ansible"
 MODEL_SRC="$E2E/models/llama-3.1-8b"
 MOE_SRC="$E2E/models/deepseek-v3-4l"
+KIMI_SHAPE=${KIMI_SHAPE:-kimi-k2.5-4l}
+KIMI_SRC="$E2E/models/$KIMI_SHAPE"
 INVENTORY="$E2E/inventory/hosts.yml"
 MOE_INVENTORY="$E2E/inventory/moe.yml"
 VENV=/opt/kimi-service/venv
@@ -324,6 +333,71 @@ section_moe_probe() {
     stop_group "$pid"
     grep -E 'MoE|moe|flashinfer|FlashInfer|JIT|jit|compil' "$RESULTS/moe-probe.log" | cut -c1-300 | tail -25 || true
     tail -40 "$RESULTS/moe-probe-ps.txt"
+}
+
+section_kimi() {
+    log "Kimi K2.5 as it ships: make_model.py --shape $KIMI_SHAPE"
+    rm -rf "$MODEL_SRC" "$MOE_SRC"
+    local need free
+    need=$(PYTHONPATH=bench/gpu "$PYTHON" -c 'import sys, kimi_model
+print(2 * kimi_model.index(kimi_model.shape_named(sys.argv[1]).config())["metadata"]["total_size"])' "$KIMI_SHAPE")
+    free=$(df -B1 --output=avail "$E2E" | tail -1)
+    if ((free < need)); then
+        echo "$KIMI_SHAPE needs $((need / 10**9)) GB free for its source and deployed copy, $((free / 10**9)) GB here"
+        return 1
+    fi
+    "$PYTHON" bench/gpu/make_model.py "$KIMI_SRC" --shape "$KIMI_SHAPE"
+    du -sh "$KIMI_SRC"
+    write_inventory "$MOE_INVENTORY" "e2e/$KIMI_SHAPE" "$KIMI_SRC" "    kimi_preflight_disk_headroom_gb: 5"
+    log "site.yml with $KIMI_SHAPE (in the background; this call waits up to 480 s, section wait waits again)"
+    local rc=0
+    background_site kimi "$MOE_INVENTORY" 480 || rc=$?
+    moe_report
+    return $rc
+}
+
+section_kimi_checks() {
+    log "Kimi K2.5 through the deployed endpoint: chat, tool call round trip, reasoning, image"
+    moe_report
+    grep -h -E 'Using .*(Marlin|MoE|WNA16)|CompressedTensorsWNA16' /var/lib/kimi-service/logs/*.log 2>/dev/null \
+        | cut -c1-300 | tail -5 | tee "$RESULTS/kimi-moe-backend.txt" || true
+    KEY=$(sed -n 's/^VLLM_API_KEY="\(.*\)"$/\1/p' /etc/kimi-service/secrets.env 2>/dev/null) "$PYTHON" - "$RESULTS" <<'PY'
+import base64, io, json, os, sys, urllib.request
+results, key = sys.argv[1], os.environ.get("KEY", "")
+def chat(**body):
+    body = {"model": "e2e", "max_tokens": 48, **body}
+    request = urllib.request.Request("http://127.0.0.1:8000/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        return json.load(reply)
+tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+call = {"id": "functions.get_weather:0", "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+from PIL import Image
+buffer = io.BytesIO()
+Image.new("RGB", (448, 336), "teal").save(buffer, format="PNG")
+png = base64.b64encode(buffer.getvalue()).decode()
+checks = {
+    "chat": chat(messages=[{"role": "user", "content": "hello"}]),
+    "no-thinking": chat(messages=[{"role": "user", "content": "hello"}],
+                        chat_template_kwargs={"thinking": False}),
+    "tools": chat(messages=[{"role": "user", "content": "weather in Paris?"}], tools=[tool], tool_choice="auto"),
+    "tool-result": chat(tools=[tool], messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]),
+    "image": chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}]),
+}
+for name, reply in checks.items():
+    message = reply["choices"][0]["message"]
+    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+    print(f"{name}: prompt {reply['usage']['prompt_tokens']} tokens; reasoning {len(reasoning)} chars, "
+          f"content {len(message.get('content') or '')} chars, tool_calls {len(message.get('tool_calls') or [])}")
+json.dump(checks, open(f"{results}/kimi-checks.json", "w"), indent=2)
+PY
 }
 
 section_kill() {
