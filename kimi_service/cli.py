@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +15,8 @@ from pathlib import Path
 from kimi_service import __version__
 from kimi_service.config import WORKLOADS
 from kimi_service.errors import KimiError, UsageError
+
+SIGPIPE_EXIT_STATUS = 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +234,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.check:
         launch = launcher.prepare(loaded)
         plan = launch.plan_document
-        print(f"{args.config}: valid; engine {plan.get('engine')}, TP {plan.get('tensor_parallel_size')}, "
+        print(f"{args.config}: valid; engine {plan.get('engine')}, {plan.get('parallelism')}, "
               f"max_model_len {plan.get('max_model_len')}, KV cache {plan.get('kv_cache_tokens'):,} tokens")
         for warning in plan.get("warnings") or []:
             print(f"warning: {warning}")
@@ -483,7 +487,7 @@ def _add_fetch(commands) -> None:
         "is a no-op. A hub token is read from HF_TOKEN (MODELSCOPE_API_TOKEN) or --token-file, never "
         "from arguments.",
     )
-    fetch.add_argument("--repo", required=True, help="repository id, e.g. moonshotai/Kimi-K2.5")
+    fetch.add_argument("--repo", help="repository id, e.g. moonshotai/Kimi-K2.5 (needed for all but --write-manifest)")
     fetch.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
     fetch.add_argument("--dest", type=Path, required=True, help="model directory to fill")
     fetch.add_argument("--source", choices=["hf", "modelscope", "http", "local"], default="hf")
@@ -532,6 +536,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
     if args.write_manifest:
         print(weights.write_manifest(args.dest))
         return 0
+    if not args.repo:
+        raise UsageError("fetch needs --repo (only --write-manifest goes without it)")
     default_endpoint = {"hf": "https://huggingface.co", "modelscope": "https://www.modelscope.cn"}
     request = weights.FetchRequest(
         source=args.source, repo=args.repo, revision=args.revision, dest=args.dest,
@@ -558,9 +564,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        sys.stdout.flush()  # a reader that left shows here rather than in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        return _stdout_closed()
     except KimiError as exc:
         print(f"kimi-service: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket nobody reads any more (POLLERR on its write end): a broken pipe
+    elsewhere (a child's stdin, a socket) is a fault of its own and keeps its traceback."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _stdout_closed() -> int:
+    """`kimi-service plan ... | head -1`: the reader has what it wanted. Quiet, with the status a shell gives
+    any command SIGPIPE stops (128 + 13), so `set -o pipefail` still sees the output was cut short; stdout
+    goes to /dev/null so the interpreter's own flush at exit finds no pipe to break again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_EXIT_STATUS

@@ -58,8 +58,10 @@ DCGM_HELP = {
 # rules are checked against this list where no GPU is (tests/integration/test_replicas.py).
 GPU_SERIES = frozenset({*DCGM_HELP, "DCGM_FI_DEV_COUNT", "kimi_gpu_scrape_seconds", "kimi_gpu_xid_errors_total"})
 HEALTH_VALUES = {health.OK: 0, health.DEGRADED: 1, health.DOWN: 2}
-PLAN_LABELS = ("model", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len",
-               "kv_cache_tokens", "vllm_version")
+# `parallelism` is the plan's layout as people read it ("TP 8", "DP 8 x EP 8"): the sizes alone would show a
+# DP+EP plan as TP 1, PP 1.
+PLAN_LABELS = ("model", "parallelism", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+               "max_model_len", "kv_cache_tokens", "vllm_version")
 
 
 class XidWatcher:

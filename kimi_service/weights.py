@@ -394,13 +394,16 @@ def write_manifest(root: Path, out: Path | None = None) -> Path:
     """Write a mirror manifest (paths, sizes, sha256) for the model files under `root`."""
     listing = list_local(root, repo=root.name, revision="")
     files = []
-    for f in listing.files:
-        if f.path == MANIFEST_NAME:
-            continue
-        with open(root / f.path, "rb") as handle:
-            files.append({"path": f.path, "size": f.size, "sha256": hash_fd(handle.fileno())})
     target = out or root / MANIFEST_NAME
-    target.write_text(json.dumps({"files": files}, indent=1))
+    try:
+        for f in listing.files:
+            if f.path == MANIFEST_NAME:
+                continue
+            with open(root / f.path, "rb") as handle:
+                files.append({"path": f.path, "size": f.size, "sha256": hash_fd(handle.fileno())})
+        target.write_text(json.dumps({"files": files}, indent=1))
+    except OSError as exc:
+        raise UsageError(f"manifest of {root}: {exc.filename}: {exc.strerror}") from None
     return target
 
 

@@ -17,6 +17,7 @@ from kimi_service import catalog
 from kimi_service.hardware import parse_gpu_spec
 from kimi_service.model import ModelSpec, inspect_model, spec_from_catalog
 from kimi_service.planner import DoesNotFit, Plan, plan
+from kimi_service.planner.budget import Parallelism
 
 RENTALS = (
     ("4 x A100-80GB (the article)", "A100-SXM4-80GB:4", 1),
@@ -64,11 +65,7 @@ def _cell(spec: ModelSpec, gpus_spec: str, *, nodes: int = 1, length: int | None
         return (
             f"no: needs ~{error.needed_bytes / 2**30:,.0f} GiB, has {error.available_bytes / 2**30:,.0f} GiB"
         )
-    layout = f"TP{result.tensor_parallel_size}" + (
-        f" x PP{result.pipeline_parallel_size}" if result.pipeline_parallel_size > 1 else ""
-    )
-    if result.data_parallel_size > 1:
-        layout = f"DP{result.data_parallel_size} x EP{result.data_parallel_size * result.tensor_parallel_size}"
+    layout = result.parallelism
     if result.kv_cache_dtype != "auto":
         layout += f", {result.kv_cache_dtype} KV"
     return f"yes: {layout}, {result.max_model_len // 1024}K ctx, {result.max_concurrency} seqs"
@@ -114,7 +111,7 @@ def _refused_scale_row(label: str, flags: list[str], message: str) -> str:
     dtype = "bf16" if flags[-1] == "auto" else flags[-1]
     found = re.search(r"needs ([\d.,]+ GiB) of weights per rank.*?leaves ([\d.,]+ GiB) of the ([\d.,]+ GiB)",
                       message)
-    layout = f"| {label} | DP {ranks} x EP {ranks} | {dtype} |"
+    layout = f"| {label} | {Parallelism(tensor=1, pipeline=1, data=ranks).describe()} | {dtype} |"
     if not found:
         return f"{layout} does not fit: {message.splitlines()[0][:120]} | | | | | |"
     weights, left, usable = found.groups()

@@ -7,10 +7,9 @@ turn the fit into flags, `document` into the `Plan`; `advice` says what would fi
 `render` prints a plan for people.
 """
 
-from kimi_service.planner.advice import DoesNotFit
 from kimi_service.planner.budget import MemoryBudget
 from kimi_service.planner.document import Plan, check_spans_nodes
-from kimi_service.planner.fit import valid_tensor_parallel
+from kimi_service.planner.fit import DoesNotFit, valid_tensor_parallel
 from kimi_service.planner.overrides import parse_byte_count, parse_overrides
 from kimi_service.planner.planning import plan
 from kimi_service.planner.render import render

@@ -7,45 +7,31 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from kimi_service import catalog
-from kimi_service.errors import KimiError
 from kimi_service.hardware import inventory_of, known_gpu
 from kimi_service.model import spec_from_catalog
 from kimi_service.planner.budget import memory_budget
 from kimi_service.planner.fit import (
     LONG_PREFILL_TOKENS,
+    DoesNotFit,
     Problem,
     candidates,
     floor_len,
     knobs_for,
+    layout_label,
     long_prefill,
     sequence_bytes,
-    try_fit,
 )
+from kimi_service.planner.layout import choose
 from kimi_service.planner.overrides import Overrides
 from kimi_service.planner.render import gib, size
 
 LARGER_GPUS = ("H200", "B200")
 
 
-class DoesNotFit(KimiError):
-    """The model cannot be served on this hardware; says what is needed and what would fit."""
-
-    exit_code = 3
-
-    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, suggestions: list[str]):
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
-        self.suggestions = suggestions
-        text = message
-        if suggestions:
-            text += "\nWould fit:\n" + "\n".join(f"  - {s}" for s in suggestions)
-        super().__init__(text)
-
-
 def _layout_if_fits(problem: Problem) -> str | None:
-    """`TP 8 x PP 2` when the model fits as the planner would plan it without overrides, else None."""
-    found = try_fit(replace(problem, overrides=Overrides()))
-    return found.parallel.describe() if found else None
+    """The layout (`TP 8 x PP 2`, `DP 8 x EP 8`) the planner would plan without overrides, else None."""
+    found = choose(replace(problem, overrides=Overrides()))
+    return layout_label(problem.model, found) if found else None
 
 
 def _flag_changes(problem: Problem) -> Iterator[str]:
@@ -62,11 +48,11 @@ def _flag_changes(problem: Problem) -> Iterator[str]:
     if len(options) == 2:
         options.append((options[0][0] + options[1][0], f"{options[0][1]}; {options[1][1]}"))
     for pairs, why in options:
-        fit = try_fit(replace(problem, overrides=Overrides(problem.overrides.pairs + pairs)))
+        fit = choose(replace(problem, overrides=Overrides(problem.overrides.pairs + pairs)))
         if fit is not None:
             flags = " ".join(flag if value is None else f"{flag} {value}" for flag, value in pairs)
             yield (
-                f"{flags} on this hardware ({fit.parallel.describe()}, {fit.max_model_len:,}-token context, "
+                f"{flags} on this hardware ({layout_label(problem.model, fit)}, {fit.max_model_len:,}-token context, "
                 f"{fit.max_concurrency} sequence(s)): {why}"
             )
             return

@@ -95,10 +95,14 @@ class Parallelism:
     def expert_parallel(self) -> bool:
         return self.data > 1
 
-    def describe(self) -> str:
+    def describe(self, *, expert_parallel: bool = False) -> str:
+        """The layout as every surface shows it (plan text and JSON, advice, exporter, dashboard, verify):
+        "TP 8", "TP 8 x PP 2", "DP 8 x EP 8"; `expert_parallel` marks a TP group whose experts vLLM spreads
+        whole over its TP ranks (EP = TP within each stage): "TP 8 with EP 8"."""
         if self.data > 1:
             return f"DP {self.data} x EP {self.gpus}" + (f" (TP {self.tensor} per rank)" if self.tensor > 1 else "")
-        return f"TP {self.tensor}" + (f" x PP {self.pipeline}" if self.pipeline > 1 else "")
+        return (f"TP {self.tensor}" + (f" x PP {self.pipeline}" if self.pipeline > 1 else "")
+                + (f" with EP {self.tensor}" if expert_parallel else ""))
 
 
 def weights_per_gpu(model: ModelSpec, parallel: Parallelism) -> int:

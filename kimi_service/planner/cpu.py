@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from kimi_service import catalog
 from kimi_service.errors import UsageError
 from kimi_service.hardware import GIB
-from kimi_service.planner.advice import DoesNotFit
 from kimi_service.planner.budget import Parallelism
 from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
-from kimi_service.planner.fit import Fit, Problem, valid_tensor_parallel
+from kimi_service.planner.fit import DoesNotFit, Fit, Problem, valid_tensor_parallel
 from kimi_service.planner.overrides import parse_byte_count
 from kimi_service.planner.render import gib, size
 

@@ -10,7 +10,7 @@ from kimi_service.catalog import CatalogEntry
 from kimi_service.errors import UsageError
 from kimi_service.model import ModelSpec
 from kimi_service.planner.budget import MemoryBudget
-from kimi_service.planner.fit import Fit, Problem
+from kimi_service.planner.fit import Fit, Problem, layout_label, uses_expert_parallel
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Plan:
     max_model_len: int
     gpu_memory_utilization: float | None
     weights_bytes_per_gpu: int
+    weights_bytes: int  # the whole checkpoint: what each host keeps on disk
     kv_cache_tokens: int
     warnings: list[str]
     reasons: dict[str, str]
@@ -41,7 +42,7 @@ class Plan:
     data_parallel_size: int = 1
     data_parallel_size_local: int = 1
     kv_cache_tokens_per_rank: int = 0
-    parallelism: str = ""  # "TP 8", "TP 8 x PP 2", "DP 8 x EP 8"
+    parallelism: str = ""  # the layout as people read it: fit.layout_label
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -111,7 +112,7 @@ def model_flags(model: ModelSpec, entry: CatalogEntry | None, *, leave_out: Iter
     return []
 
 
-def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft, *, expert_parallel: bool = False) -> Plan:
+def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Plan:
     """argv from the tuned flags (an operator's override replaces its tuned flag and goes last), as a Plan."""
     model, gpus, knobs, budget = problem.model, problem.gpus, fit.knobs, fit.budget
     reasons = draft.reasons
@@ -141,6 +142,7 @@ def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft, *, ex
         max_model_len=fit.max_model_len,
         gpu_memory_utilization=knobs.utilization if knobs and not gpus.is_cpu else None,
         weights_bytes_per_gpu=budget.weights_bytes if budget else 0,
+        weights_bytes=model.weight_bytes,
         kv_cache_tokens=fit.total_kv_tokens,
         warnings=draft.warnings,
         reasons=reasons,
@@ -151,13 +153,13 @@ def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft, *, ex
         nodes=problem.nodes,
         kv_cache_dtype=knobs.kv_dtype if knobs else "auto",
         max_concurrency=fit.max_concurrency,
-        expert_parallel=expert_parallel,
+        expert_parallel=uses_expert_parallel(model, fit),
         budget=budget,
         overrides=extra,
         data_parallel_size=fit.parallel.data,
         data_parallel_size_local=fit.parallel.data // problem.nodes if fit.parallel.data > 1 else 1,
         kv_cache_tokens_per_rank=fit.kv_cache_tokens,
-        parallelism=fit.parallel.describe(),
+        parallelism=layout_label(model, fit),
     )
 
 

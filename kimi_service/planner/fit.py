@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kimi_service.catalog import CatalogEntry
+from kimi_service.errors import KimiError
 from kimi_service.hardware import GpuInventory
 from kimi_service.model import ModelSpec
 from kimi_service.planner.budget import (
@@ -26,6 +27,21 @@ FP8_BLOCK = 128  # FP8 block-quantized experts split under TP only in whole 128-
 # --max-num-batched-tokens 131072 --enforce-eager: prefill runs in 131,072-token chunks, and its
 # activations are part of the memory a long context needs (the cards ask for >= 120 GB for the 7B).
 LONG_PREFILL_TOKENS = 131_072
+
+
+class DoesNotFit(KimiError):
+    """The model cannot be served on this hardware; says what is needed and what would fit."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, suggestions: list[str]):
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.suggestions = suggestions
+        text = message
+        if suggestions:
+            text += "\nWould fit:\n" + "\n".join(f"  - {s}" for s in suggestions)
+        super().__init__(text)
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,24 @@ def needs_expert_parallel(model: ModelSpec, tp: int) -> bool:
     return model.is_moe and tp > 1 and model.quantization == "fp8" and (expert_width // tp) % FP8_BLOCK != 0
 
 
+def uses_expert_parallel(model: ModelSpec, fit: Fit) -> bool:
+    """Whether the fit runs with --enable-expert-parallel: always under DP+EP; in a TP group when the
+    workload asks for whole experts per GPU or FP8 blocks force it. vLLM's EP size is TP x DP (docs.vllm.ai,
+    Expert Parallel Deployment), so a group without TP or DP ranks (TP 1, or no knobs: the CPU engine) has
+    nothing to spread experts over."""
+    parallel = fit.parallel
+    if parallel.expert_parallel:
+        return True
+    if fit.knobs is None or parallel.tensor == 1:
+        return False
+    return fit.knobs.expert_parallel or needs_expert_parallel(model, parallel.tensor)
+
+
+def layout_label(model: ModelSpec, fit: Fit) -> str:
+    """The fit's layout as the plan, its advice and everything reading plan.json show it."""
+    return fit.parallel.describe(expert_parallel=uses_expert_parallel(model, fit))
+
+
 def sequence_bytes(model: ModelSpec, parallel: Parallelism, knobs: Knobs, length: int) -> int:
     """KV bytes one sequence of `length` tokens takes on the busiest GPU of the group."""
     return model.kv_bytes_per_sequence(
@@ -215,7 +249,7 @@ def try_fit(problem: Problem) -> Fit | None:
 
     why = (
         f"no group holds the {profile.name} target of {profile.target_concurrency} sequences; of those that fit, "
-        f"{best.parallel.describe()} serves the longest context ({best.max_model_len:,}) with the most KV "
+        f"{layout_label(problem.model, best)} serves the longest context ({best.max_model_len:,}) with the most KV "
         f"({best.max_concurrency} sequence(s))"
     )
     return replace(best, choice=why)

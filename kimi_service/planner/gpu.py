@@ -6,7 +6,7 @@ from kimi_service import catalog
 from kimi_service.hardware import GIB, GpuInventory
 from kimi_service.planner.budget import Knobs
 from kimi_service.planner.document import Draft, Endpoint, Flag, Plan, assemble, endpoint_flags, model_flags
-from kimi_service.planner.fit import Fit, Problem, needs_expert_parallel
+from kimi_service.planner.fit import Fit, Problem, layout_label, needs_expert_parallel, uses_expert_parallel
 from kimi_service.planner.render import gib
 
 FRAGILE_KV_BYTES = 2 * GIB  # less KV than this is within the reserve estimate's error
@@ -30,12 +30,12 @@ def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
     _memory_flags(fit, draft)
     _workload_flags(problem, draft)
     _long_prefill_flags(fit.knobs, draft)
-    expert_parallel = _expert_parallel_flag(problem, fit, draft)
+    _expert_parallel_flag(problem, fit, draft)
     _model_flags(problem, draft)
     _moe_backend_flag(problem, draft)
     _speculative_reason(problem, fit, draft)
     _warnings(problem, fit, draft)
-    return assemble(problem, endpoint, fit, draft, expert_parallel=expert_parallel)
+    return assemble(problem, endpoint, fit, draft)
 
 
 def _parallel_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
@@ -153,13 +153,9 @@ def _long_prefill_flags(knobs: Knobs, draft: Draft) -> None:
     draft.flags.append(Flag("--enforce-eager", None, why))
 
 
-def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> bool:
+def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> None:
     model, tp = problem.model, fit.parallel.tensor
-    assert fit.knobs is not None
-    expert_parallel = fit.parallel.expert_parallel or (
-        fit.parallel.gpus > 1 and (fit.knobs.expert_parallel or needs_expert_parallel(model, tp))
-    )
-    if expert_parallel:
+    if uses_expert_parallel(model, fit):
         why = (
             f"DP+EP: the routed experts are split over all {fit.parallel.gpus} GPUs (EP = DP x TP); each rank's "
             "attention serves its own requests"
@@ -170,8 +166,10 @@ def _expert_parallel_flag(problem: Problem, fit: Fit, draft: Draft) -> bool:
         )
         draft.flags.append(Flag("--enable-expert-parallel", None, why))
     elif model.is_moe:
-        draft.reasons["expert-parallel"] = "off: at small batches TP-sliced experts keep all-to-all traffic down"
-    return expert_parallel
+        draft.reasons["expert-parallel"] = (
+            "off: TP 1 has no ranks to spread the experts over (vLLM's EP size is TP x DP)" if tp == 1
+            else "off: at small batches TP-sliced experts keep all-to-all traffic down"
+        )
 
 
 def _moe_backend_flag(problem: Problem, draft: Draft) -> None:
@@ -220,6 +218,7 @@ def _warnings(problem: Problem, fit: Fit, draft: Draft) -> None:
         )
     draft.warnings.extend(problem.model.notes)
     draft.warnings.extend(_client_visible_warnings(problem, fit))
+    draft.warnings.extend(_idle_gpu_warnings(problem, fit))
     if fit.max_concurrency < problem.profile.target_concurrency:
         draft.warnings.append(
             f"the KV cache holds only {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens; "
@@ -258,6 +257,26 @@ def _client_visible_warnings(problem: Problem, fit: Fit) -> list[str]:
             "plain TCP Ethernet can cut throughput several-fold); check NCCL's transport in the engine log"
         )
     return warnings
+
+
+def _idle_gpu_warnings(problem: Problem, fit: Fit) -> list[str]:
+    """A model far smaller than the host leaves GPUs idle: one engine per GPU group, as replicas behind the
+    balancer, multiplies the sequences served at once by the number of groups."""
+    used, count = fit.parallel.gpus, problem.gpus.count
+    if problem.nodes > 1 or used >= count:
+        return []
+    idle = (f"the plan uses {used} of the {count} GPUs ({layout_label(problem.model, fit)}), leaving "
+            f"{count - used} idle")
+    replicas = count // used
+    if replicas < 2:
+        return [idle]
+    group = "GPU" if used == 1 else f"{used} GPUs"
+    return [
+        f"{idle}: {replicas} replicas of this plan, one engine per {group}, would hold "
+        f"{replicas * fit.max_concurrency} sequences of {fit.max_model_len:,} tokens at once where one engine "
+        f"holds {fit.max_concurrency}; serve them behind the balancer (README: Replicas behind one endpoint; "
+        "each replica a host of kimi_replicas, such as a container given its GPUs)"
+    ]
 
 
 def _architecture_warnings(quantization: str | None, gpus: GpuInventory, knobs: Knobs) -> list[str]:

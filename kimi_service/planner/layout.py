@@ -19,14 +19,15 @@ import math
 from dataclasses import replace
 
 from kimi_service.errors import UsageError
-from kimi_service.planner.advice import DoesNotFit
 from kimi_service.planner.budget import Parallelism, memory_budget
 from kimi_service.planner.fit import (
+    DoesNotFit,
     Fit,
     Problem,
     fit_group,
     floor_len,
     knobs_for,
+    layout_label,
     sequence_bytes,
     try_fit,
     valid_tensor_parallel,
@@ -95,7 +96,7 @@ def _with_kv_dtype(problem: Problem, group: Parallelism | None) -> Fit | None:
     if not _kv_bound(problem, fit):
         return fit
     held = "does not fit" if fit is None else (
-        f"holds {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens on {fit.parallel.describe()}"
+        f"holds {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens on {layout_label(problem.model, fit)}"
     )
     cc = f"{gpus.compute_capability[0]}.{gpus.compute_capability[1]}"
     if not gpus.fp8:
@@ -166,10 +167,11 @@ def choose(problem: Problem) -> Fit | None:
         return replace(fit, notes=(*fit.notes, ("data-parallel", note)))
     if dp.max_model_len < fit.max_model_len or dp.total_kv_tokens <= fit.total_kv_tokens:
         note = (f"off: {group.describe()} would hold {dp.total_kv_tokens:,} KV tokens at {dp.max_model_len:,} "
-                f"context, {fit.parallel.describe()} holds {fit.total_kv_tokens:,} at {fit.max_model_len:,}")
+                f"context, {layout_label(problem.model, fit)} holds {fit.total_kv_tokens:,} at {fit.max_model_len:,}")
         return replace(fit, notes=(*fit.notes, ("data-parallel", note)))
+    tensor_layout = layout_label(problem.model, fit)
     choice = (f"{problem.profile.name} at scale: the model needs all {group.gpus} GPUs either way, and each DP rank "
               f"keeps a KV cache of its own: {group.describe()} holds {dp.total_kv_tokens:,} KV tokens "
-              f"({dp.max_concurrency} sequences of {dp.max_model_len:,}) where {fit.parallel.describe()} holds "
+              f"({dp.max_concurrency} sequences of {dp.max_model_len:,}) where {tensor_layout} holds "
               f"{fit.total_kv_tokens:,} ({fit.max_concurrency} of {fit.max_model_len:,})")
     return replace(dp, choice=choice)

@@ -18,7 +18,7 @@ def render(plan_: Plan) -> str:
     """A short table for people: command, memory budget, reasons, warnings."""
     lines = [f"{plan_.model} on {plan_.hardware} ({plan_.engine} engine, workload {plan_.workload}): fits"]
     if plan_.parallelism:
-        lines.append(f"parallelism: {plan_.parallelism}" + (", expert parallel" if plan_.expert_parallel else ""))
+        lines.append(f"parallelism: {plan_.parallelism}")
     lines.append("")
     lines.append("command:")
     lines.append("  " + " ".join(_quote(a) for a in plan_.argv))

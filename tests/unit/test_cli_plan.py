@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kimi_service import cli
 from kimi_service.cli import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -24,6 +26,9 @@ CONTRACT = {
     "kv_cache_tokens",
     "warnings",
     "reasons",
+    "data_parallel_size",
+    "expert_parallel",
+    "parallelism",
 }
 
 
@@ -36,6 +41,7 @@ def test_fits_json_contract(capsys):
     # Chat on 8 x H200: attention data-parallel over the 8 GPUs, experts sharded (DP 8 x EP 8).
     assert (data["tensor_parallel_size"], data["data_parallel_size"]) == (1, 8) and isinstance(data["warnings"], list)
     assert data["kv_cache_tokens"] == 8 * data["kv_cache_tokens_per_rank"] and data["parallelism"] == "DP 8 x EP 8"
+    assert data["expert_parallel"] is True
     assert "--tensor-parallel-size" in data["reasons"] and "--data-parallel-size" in data["reasons"]
 
 
@@ -97,3 +103,30 @@ def test_installed_console_script():
     )
     assert result.returncode == 3, result.stderr
     assert "Would fit" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("output", [[], ["--json"]], ids=["table", "json"])
+def test_a_reader_that_left_gets_no_traceback(output):
+    """`kimi-service plan ... | head -c 10`: the reader has its bytes and is gone when the plan is written
+    (its end of the pipe is closed before the command starts, so the write always meets a closed pipe)."""
+    script = Path(sys.executable).with_name("kimi-service")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [str(script), "plan", "--model", "moonshotai/Kimi-K2.5", "--gpus", "8xH200", *output],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, check=False, timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+    assert result.returncode == cli.SIGPIPE_EXIT_STATUS == 141
+
+
+def test_only_a_stdout_nobody_reads_counts_as_a_reader_that_left(monkeypatch):
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert not cli._stdout_reader_gone()
+        os.close(read_end)
+        assert cli._stdout_reader_gone()

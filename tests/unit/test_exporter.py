@@ -20,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kimi_service import exporter, health
 from kimi_service import nvml as nvml_reader
+from kimi_service.hardware import parse_gpu_spec
+from kimi_service.model import inspect_model
+from kimi_service.planner import plan
 from tests.support.fake_pynvml import FakeNvml, NVMLError
 from tests.support.ports import free_port
 
@@ -159,6 +162,15 @@ def test_driver_library_mismatch_keeps_health_and_plan_series(scrape_with) -> No
     assert metrics["kimi_exporter_scrape_errors"][0].value == 1
     fake.init_error = None  # the host was rebooted into a matching driver
     assert scraper.scrape()["kimi_nvml_up"][0].value == 1
+
+
+def test_plan_info_shows_a_data_parallel_plan_as_dp_x_ep(scrape_with, plan_file) -> None:
+    """A DP+EP plan runs TP 1, PP 1 per rank: the sizes alone would misstate it, its layout does not."""
+    planned = plan(inspect_model("moonshotai/Kimi-K2.5"), parse_gpu_spec("8xH200"))
+    plan_file.write_text(json.dumps({**planned.to_json(), "served_model_name": "kimi-k2.5"}))
+    info = scrape_with(FakeNvml()).scrape()["kimi_plan_info"][0].labels
+    assert info["parallelism"] == planned.parallelism == "DP 8 x EP 8"
+    assert (info["data_parallel_size"], info["tensor_parallel_size"]) == ("8", "1")
 
 
 def test_nvml_missing_entirely_is_not_a_scrape_error(scrape_with) -> None:

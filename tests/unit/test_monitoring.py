@@ -126,6 +126,17 @@ def test_dashboard_shows_what_the_operator_asked_for():
     } <= names
 
 
+def test_the_plan_panel_shows_the_layout_a_data_parallel_plan_runs():
+    """Per-rank TP and PP sizes show a DP 8 x EP 8 plan as TP 1, PP 1: the panel shows the plan's layout."""
+    panel = next(p for p in prometheus.dashboard()["panels"]
+                 if any("kimi_plan_info" in t.get("expr", "") for t in p.get("targets", [])))
+    organize = next(t["options"] for t in panel["transformations"] if t["id"] == "organize")
+    hidden = {name for name, excluded in organize["excludeByName"].items() if excluded}
+    shown = set(exporter.PLAN_LABELS) - hidden
+    assert "parallelism" in shown and set(organize["indexByName"]) == shown | {"host"}
+    assert not shown & {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
+
+
 def test_series_names_skip_functions_labels_and_durations():
     expr = 'sum by (le) (rate(a_bucket{job="x{y}"}[5m] offset 10m)) > bool 1e3 or on (host) b unless c:rec'
     assert prometheus.series_names(expr) == {"a_bucket", "b", "c:rec"}

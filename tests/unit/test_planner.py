@@ -35,7 +35,8 @@ def test_the_articles_setup_does_not_fit_and_says_what_would():
     text = str(error)
     assert "320.0 GiB" in text and "595 GB" in text
     assert "2 nodes x 8 x A100-SXM4-80GB (TP 8 x PP 2)" in error.suggestions
-    assert "8 x H200 (TP 8)" in error.suggestions
+    # The layout the advice names is the one the planner then plans there (DP 8 x EP 8 for chat).
+    assert f"8 x H200 ({plan(KIMI, parse_gpu_spec('8xH200')).parallelism})" in error.suggestions
 
 
 def test_kimi_on_8_h200_follows_the_recipe():
@@ -181,6 +182,17 @@ def test_fp8_block_experts_that_tp_cannot_split_get_expert_parallel():
     result = plan(minimax, parse_gpu_spec("A100-SXM4-40GB:8"))
     assert result.tensor_parallel_size == 8
     assert "--enable-expert-parallel" in result.argv
+    assert result.expert_parallel and result.parallelism == "TP 8 with EP 8"
+
+
+def test_expert_parallel_needs_tp_or_dp_ranks_to_spread_experts_over():
+    # Throughput asks for whole experts per GPU, but TP 1 x PP 2 has one rank per stage: vLLM's EP size is
+    # TP x DP = 1 there (docs.vllm.ai, Expert Parallel Deployment), so the flag would do nothing.
+    minimax = inspect_model("MiniMaxAI/MiniMax-M2")
+    result = plan(minimax, parse_gpu_spec("B200:1"), nodes=2, workload="throughput")
+    assert (result.tensor_parallel_size, result.pipeline_parallel_size) == (1, 2)
+    assert "--enable-expert-parallel" not in result.argv and result.parallelism == "TP 1 x PP 2"
+    assert result.reasons["expert-parallel"].startswith("off: TP 1 has no ranks")
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))

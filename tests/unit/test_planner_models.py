@@ -204,3 +204,19 @@ def test_fragile_plans_warn_and_the_workload_minimum_refuses():
     assert any(w.startswith("fragile") for w in result.warnings)
     with pytest.raises(DoesNotFit, match="minimum"):
         plan(spec, parse_gpu_spec("H100-SXM:1"))  # chat needs two
+
+
+# --- 6. GPUs the plan leaves idle ----------------------------------------------------------------------
+def test_a_model_far_smaller_than_the_host_is_advised_as_replicas():
+    spec = model("meta-llama/Llama-3.1-8B-Instruct")
+    alone = plan(spec, parse_gpu_spec("H100-SXM:1"))
+    result = plan(spec, parse_gpu_spec("8xH100"))
+    assert result.tensor_parallel_size == 1  # the smallest group that serves chat: one GPU
+    [idle] = [w for w in result.warnings if "idle" in w]
+    assert idle.startswith("the plan uses 1 of the 8 GPUs (TP 1), leaving 7 idle: 8 replicas of this plan")
+    assert f"would hold {8 * result.max_concurrency} sequences of {result.max_model_len:,} tokens" in idle
+    assert "Replicas behind one endpoint" in idle and "kimi_replicas" in idle
+    assert not any("idle" in w for w in alone.warnings)
+    # A group that does not divide the host: the spare GPUs are named, no replica count is made up.
+    uneven = plan(spec, parse_gpu_spec("3xH100"), overrides=["--tensor-parallel-size", "2"])
+    assert "the plan uses 2 of the 3 GPUs (TP 2), leaving 1 idle" in uneven.warnings

@@ -135,7 +135,7 @@ def test_kimi_over_two_h100_nodes_is_tp8_pp2_because_dp_ranks_leave_no_kv():
 
 def test_the_plan_for_people_shows_parallelism_memory_per_rank_and_kv_per_rank():
     text = render(plan(KIMI, parse_gpu_spec("8xH200")))
-    assert "parallelism: DP 8 x EP 8, expert parallel" in text
+    assert "\nparallelism: DP 8 x EP 8\n" in text
     assert "memory per GPU (every DP rank):" in text and "KV cache tokens per rank" in text
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,28 @@ def test_write_manifest_serves_an_http_mirror(model_dir):
     entry = next(e for e in manifest["files"] if e["path"] == BIG)
     assert entry["sha256"] == hashlib.sha256((model_dir / BIG).read_bytes()).hexdigest()
     assert weights.MANIFEST_NAME not in {e["path"] for e in manifest["files"]}
+
+
+def test_write_manifest_works_as_the_readme_shows_it(model_dir, capsys):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    documented = re.search(r"`(kimi-service fetch --write-manifest[^`]*)` writes `DIR/([^`]+)`", readme)
+    assert documented, "README.md no longer shows the --write-manifest command"
+    command, written = documented.groups()
+    argv = [str(model_dir) if word == "DIR" else word for word in shlex.split(command)]
+    assert main(argv[1:]) == 0
+    assert capsys.readouterr().out.strip() == str(model_dir / written) and written == weights.MANIFEST_NAME
+    assert {e["path"] for e in json.loads((model_dir / written).read_text())["files"]} == {
+        p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*") if p.is_file() and p.name != written
+    }
+
+
+def test_fetch_without_a_repo_or_a_writable_manifest_says_so(model_dir, capsys):
+    assert main(["fetch", "--dest", str(model_dir)]) == 2
+    assert "fetch needs --repo" in capsys.readouterr().err
+    (model_dir / weights.MANIFEST_NAME).mkdir()
+    assert main(["fetch", "--write-manifest", "--dest", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kimi-service: error: manifest of") and "Is a directory" in err and "Traceback" not in err
 
 
 def test_hub_server_speaks_the_protocol_huggingface_hub_uses(hub, model_dir, tmp_path):
