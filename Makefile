@@ -5,10 +5,17 @@ BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: bootstrap lint unit test demo demo-down clean
+.PHONY: bootstrap controller lint unit test demo demo-down clean
 
 bootstrap:
 	@scripts/bootstrap.sh
+
+# Only what running the playbooks against your own hosts needs, without root: .venv with the package and
+# ansible-core (no host packages, no test tools). `make bootstrap` later adds those.
+controller:
+	$${KIMI_PYTHON:-python3} -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[controller]'
 
 lint: bootstrap
 	$(BIN)/ruff check kimi_service tests scripts bench

@@ -209,7 +209,7 @@ def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, pod):
 
 def test_uninstall_removes_everything_but_the_weights(first_converge, pod):
     """Last in this module: it takes the service away."""
-    run = ansible_playbook("playbooks/uninstall.yml", pod.inventory)
+    run = ansible_playbook("playbooks/uninstall.yml", pod.inventory, "-e", "kimi_uninstall_weights=no")
     assert run.returncode == 0, str(run)
     left = pod.host.ssh("pgrep -af '[s]upervisord|[k]imi-service serve|[v]llm.entrypoints'", check=False).stdout
     assert left.strip() == "", f"processes of the service are left: {left}"

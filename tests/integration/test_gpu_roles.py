@@ -194,16 +194,16 @@ def test_present_driver_is_adopted_refused_or_forced(repo, new_host):
     assert adopt.changed == 0, adopt.changed_tasks()
     assert _versions(host)["nvidia-driver-cuda"] == f"{NEWER_BRANCH}-1"
 
-    refuse = ansible_playbook("site.yml", inventory, "--tags", "gpu",
+    # As an operator types it: `-e name=false` is the string "false", which must not force.
+    refuse = ansible_playbook("site.yml", inventory, "--tags", "gpu", "-e", "kimi_nvidia_driver_force=false",
                               extra_vars={**base, "kimi_nvidia_driver_version": DRIVER})
     assert refuse.returncode != 0
     assert "Nothing was changed" in refuse.output and "kimi_nvidia_driver_force: true" in refuse.output
     assert refuse.changed == 0
     assert _versions(host)["nvidia-driver-cuda"] == f"{NEWER_BRANCH}-1"
 
-    forced = ansible_playbook("site.yml", inventory, "--tags", "gpu",
-                              extra_vars={**base, "kimi_nvidia_driver_version": DRIVER,
-                                          "kimi_nvidia_driver_force": True})
+    forced = ansible_playbook("site.yml", inventory, "--tags", "gpu", "-e", "kimi_nvidia_driver_force=yes",
+                              extra_vars={**base, "kimi_nvidia_driver_version": DRIVER})
     assert forced.returncode == 0, str(forced)
     assert _versions(host)["nvidia-driver-cuda"] == f"{DRIVER}-1"
     assert "nvidia-driver-cuda" in host.ssh("apt-mark showhold").stdout
@@ -280,6 +280,11 @@ def test_preflight_stops_when_the_planner_says_it_does_not_fit(plain):
         "kimi_model": "moonshotai/Kimi-K2.5", "kimi_preflight_gpus": "H200:1"})
     assert run.returncode != 0
     assert "does not fit on H200:1" in run.output, str(run)
+    # `-e kimi_preflight_plan=false` as typed (a string) turns the fit check off.
+    unplanned = ansible_playbook("playbooks/preflight.yml", inventory, "-e", "kimi_preflight_plan=false", extra_vars={
+        "kimi_model": "moonshotai/Kimi-K2.5", "kimi_preflight_gpus": "H200:1"})
+    assert "Planner check skipped: kimi_preflight_plan is false" in unplanned.output, str(unplanned)
+    assert "does not fit" not in unplanned.output, str(unplanned)
     # It fits on 8 GPUs; then the planner's weight size drives the disk check, which a test host's
     # disk cannot pass for a ~550 GiB model.
     fits = ansible_playbook("playbooks/preflight.yml", inventory, extra_vars={

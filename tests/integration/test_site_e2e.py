@@ -1,23 +1,33 @@
-"""The whole product on a fresh systemd host: site.yml with the real CPU engine, then systemctl, faults,
-a reboot, bad input and secrets. No kimi_api_key is given: the play makes one, as it does for an operator.
+"""The whole product on a fresh systemd host: the README's quick start followed as written, then systemctl,
+faults, a reboot, bad input and secrets. No kimi_api_key is given: the play makes one, as it does for an
+operator.
 
-The host lives in a network namespace of its own (the firewall is on, allowing the controller); the
-weights come from the local hub server on the bridge's gateway, the engine from the offline
-wheelhouse. Timings of the first converge and the no-op rerun are printed (README records them).
+The first converge runs the shell block of the README's "Quick start: a rented GPU server" in a copy of the
+checkout, with the operator's values put in (the server's address, the operator's address, the disk). What
+cannot be as on a rented server is one group_vars file of test-only settings beside the example's: the SSH
+details of the test host, the tiny model from the local hub server on the bridge's gateway, the CPU engine
+from the offline wheelhouse. The host lives in a network namespace of its own (the firewall is on, allowing
+the controller, the quick start's "own address"). Timings of the first converge and the no-op rerun are
+printed (README records them).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import testinfra
 
-from tests.hosts.ansible import ansible_playbook
-from tests.hosts.nspawn import _ssh_keypair, write_inventory
+from tests.hosts.ansible import PROJECT_ROOT, ansible_playbook, parse_recap
+from tests.hosts.nspawn import _ssh_keypair
 from tests.support.cpu_site import HF_TOKEN, REPO, SERVED, cpu_site_vars, journal_cursor, journal_since, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
@@ -49,23 +59,79 @@ def site_vars(hub, gateway) -> dict:
     return {**given, "kimi_vllm_watchdog_sec": WATCHDOG_SEC}
 
 
-@pytest.fixture(scope="module")
-def inventory(host, site_vars, tmp_path_factory):
-    return write_inventory(tmp_path_factory.mktemp("site") / "hosts.yml", [host], extra_vars=site_vars)
+QUICK_START = "## Quick start: a rented GPU server"
+# The quick start's stand-ins for what each operator has (documentation addresses), and the test host's.
+SERVER, OPERATOR, DISK, SERVED_AS = "203.0.113.10", "198.51.100.7/32", "/data/kimi-service", "kimi-k2.5"
+# The suite's .venv is made by `make bootstrap` (a superset of `make controller`): running it in the copy
+# would reinstall the project's own venv from there.
+CONTROLLER_SETUP = "make controller"
+
+
+def quick_start_block() -> str:
+    """The first shell block under the README's quick-start heading, as an operator copies it."""
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    section = readme[readme.index(QUICK_START):]
+    return re.search(r"```sh\n(.*?)```", section, re.DOTALL).group(1)
+
+
+class QuickStart:
+    """The quick start run in a copy of the checkout: the inventory it made and what it printed."""
+
+    def __init__(self, checkout: Path, run: subprocess.CompletedProcess):
+        self.inventory = checkout / "inventory" / "mine"
+        self.stdout, self.returncode, self.recap = run.stdout, run.returncode, parse_recap(run.stdout)
+        self.output = run.stdout + "\n" + run.stderr
+        self.said = " ".join(self.output.split())
+
+    def __str__(self) -> str:
+        return f"(exit {self.returncode})\n{self.output[-20000:]}"
 
 
 @pytest.fixture(scope="module")
-def first_converge(inventory):
+def quick_start(host, site_vars, gateway, tmp_path_factory) -> QuickStart:
+    """The README's quick start, followed as written against the test host (see the module's docstring)."""
+    checkout = tmp_path_factory.mktemp("checkout")
+    for entry in PROJECT_ROOT.iterdir():
+        if entry.name not in ("inventory", ".git"):
+            (checkout / entry.name).symlink_to(entry)
+    shutil.copytree(PROJECT_ROOT / "inventory", checkout / "inventory",
+                    ignore=shutil.ignore_patterns("credentials", "mine"))
+    # Test-only settings, in the group the example documents every variable in; the operator's own
+    # address comes from the quick start's edit (allowed through the firewall), not from here.
+    test_only = {key: value for key, value in site_vars.items() if key != "kimi_firewall_allowed_cidrs"}
+    connection = {k: v for k, v in host.inventory_vars().items() if k != "ansible_host"}
+    test_vars = checkout / "inventory" / "example" / "group_vars" / "kimi_hosts" / "zz-test-only.yml"
+    test_vars.parent.mkdir()
+    test_vars.write_text(json.dumps({**test_only, **connection}, indent=2))
+
+    block = quick_start_block()
+    assert CONTROLLER_SETUP in block, "the quick start no longer sets up the controller as this test expects"
+    script = (block.replace(CONTROLLER_SETUP, ": " + CONTROLLER_SETUP)
+              .replace(SERVER, host.address).replace(OPERATOR, f"{gateway}/32").replace(DISK, "/var/lib/kimi-service")
+              .replace(f'"model": "{SERVED_AS}"', f'"model": "{SERVED}"'))
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
+    env.pop("ANSIBLE_CONFIG", None)  # as an operator runs it: the checkout's own ansible.cfg
     started = time.monotonic()
-    run = ansible_playbook("site.yml", inventory)
-    print(f"\nfirst converge of site.yml: {time.monotonic() - started:.0f} s")
-    return run
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=checkout, env=env, capture_output=True,
+                         text=True, timeout=1800, stdin=subprocess.DEVNULL)
+    print(f"\nfirst converge of site.yml (the README's quick start): {time.monotonic() - started:.0f} s")
+    return QuickStart(checkout, run)
+
+
+@pytest.fixture(scope="module")
+def inventory(quick_start) -> Path:
+    return quick_start.inventory
+
+
+@pytest.fixture(scope="module")
+def first_converge(quick_start):
+    return quick_start
 
 
 @pytest.fixture(scope="module")
 def api_key(first_converge, inventory) -> str:
-    """The key the play made: next to the inventory, 0600, reused by every later run."""
-    path = inventory.parent / "credentials" / "kimi-api-key"
+    """The key the play made: in the inventory's credentials/ (git-ignored), 0600, reused by every later run."""
+    path = inventory / "credentials" / "kimi-api-key"
     assert path.is_file(), f"no key was made in {path}\n{first_converge}"
     assert path.stat().st_mode & 0o777 == 0o600
     return path.read_text().strip()
@@ -100,8 +166,17 @@ def _wait_serving(host, api: str, old_main_pid: int, timeout: float = 300) -> No
 
 def test_site_converges(first_converge, host, inventory, api_key):
     assert first_converge.returncode == 0, str(first_converge)
+    assert first_converge.recap and all(h["failed"] == 0 for h in first_converge.recap.values()), str(first_converge)
     assert re.search(r"endpoint: +http://\S+:8000/v1", first_converge.output), "verify prints the endpoint"
-    assert f"key in {inventory.parent}/credentials/kimi-api-key on the controller" in first_converge.said
+    assert f"key in {inventory}/credentials/kimi-api-key on the controller" in first_converge.said
+    assert (inventory / "credentials" / ".gitignore").read_text().strip() == "*"
+
+
+def test_the_quick_starts_request_is_answered(first_converge):
+    """The block ends with the curl call an operator makes with the key: it got a completion."""
+    answer = json.loads(first_converge.stdout.rstrip().splitlines()[-1])
+    assert answer["choices"][0]["message"]["content"] is not None, str(first_converge)
+    assert answer["usage"]["completion_tokens"] <= 64
     assert len(api_key) >= 40 and api_key not in first_converge.output
     assert host.ssh("systemctl is-active kimi-vllm kimi-exporter kimi-health.timer kimi-firewall").stdout.split() == [
         "active"] * 4
@@ -302,8 +377,9 @@ def test_a_failed_upgrade_rolls_back_and_serves_again(first_converge, host, inve
 
 
 def test_uninstall_removes_everything_but_the_weights(first_converge, host, inventory):
-    """Last in this module: it takes the service away."""
-    run = ansible_playbook("playbooks/uninstall.yml", inventory)
+    """Last in this module: it takes the service away. `-e name=false` is the string "false" to Ansible:
+    the weights must survive it all the same, and `=true` then removes them."""
+    run = ansible_playbook("playbooks/uninstall.yml", inventory, "-e", "kimi_uninstall_weights=false")
     assert run.returncode == 0, str(run)
     for unit in ("kimi-vllm.service", "kimi-exporter.service", "kimi-health.timer", "kimi-firewall.service"):
         assert host.ssh(f"systemctl cat {unit}", check=False).returncode != 0, f"{unit} is still installed"
@@ -314,3 +390,7 @@ def test_uninstall_removes_everything_but_the_weights(first_converge, host, inve
     assert host.ssh(f"test -f /var/lib/kimi-service/models/{REPO}@main/model.safetensors", check=False).returncode == 0
     again = ansible_playbook("playbooks/uninstall.yml", inventory)
     assert again.returncode == 0 and again.changed == 0, str(again)
+    weights = ansible_playbook("playbooks/uninstall.yml", inventory, "-e", "kimi_uninstall_weights=true")
+    assert weights.returncode == 0, str(weights)
+    assert host.ssh("test -e /var/lib/kimi-service", check=False).returncode != 0, "the weights stayed"
+    assert host.ssh("id kimi", check=False).returncode != 0, "the service user stayed"

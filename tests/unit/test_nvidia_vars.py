@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import yaml
+from ansible.plugins.filter.core import to_bool
 
 ROLE = Path(__file__).resolve().parents[2] / "roles" / "nvidia_driver"
 NVIDIA = "https://developer.download.nvidia.com/compute/cuda/repos"
@@ -41,6 +42,7 @@ def render(os_name: str, **operator) -> dict:
     """Resolve the role's vars like Ansible does: defaults < operator vars, then lazy templating."""
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters["regex_replace"] = lambda value, pattern, repl: __import__("re").sub(pattern, repl, value)
+    env.filters["bool"] = to_bool
     context = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
     context.update(operator)
     raw = {**yaml.safe_load((ROLE / f"vars/{os_name}.yml").read_text()),

@@ -69,6 +69,14 @@ def test_the_balancers_and_prometheus_hosts_may_read_health_and_metrics():
     assert parse_config(_render(kimi_api_trusted_cidrs=["10.8.0.0/16"])).api.trusted_clients == ("10.8.0.0/16",)
 
 
+def test_an_operators_trusted_networks_add_to_the_balancers_and_prometheus_hosts():
+    groups = {"kimi_hosts": ["gpu-1"], "kimi_balancer": ["lb"], "kimi_monitoring": ["prom"]}
+    hostvars = {"lb": {"ansible_host": "10.0.0.9"}, "prom": {"ansible_host": "10.0.0.7"}}
+    trusted = parse_config(_render(groups=groups, hostvars=hostvars,
+                                   kimi_api_trusted_cidrs=["192.0.2.0/24", "10.0.0.7"])).api.trusted_clients
+    assert trusted == ("10.0.0.9/32", "10.0.0.7/32", "192.0.2.0/24")
+
+
 def test_a_reserved_flag_in_extra_args_is_refused_by_the_schema():
     with pytest.raises(ConfigError, match="--api-key"):
         parse_config(_render(kimi_vllm_extra_args=["--api-key", "sk-x"]))
