@@ -8,7 +8,7 @@
 #
 # Usage: bench/gpu/site_e2e.sh SECTION...
 #   prepare    the wheelhouse from the carried parts (install.sh --wheelhouse), ansible-core from
-#              .device/ansible, the model (skipped when present)
+#              .device/ansible, the model (skipped when present, or with PREPARE_MODEL=0)
 #   converge   ansible-playbook site.yml, the first run, in the background (it may outlast one call)
 #   wait       wait for the latest background run to end
 #   rerun      site.yml again (changed=0 expected), kimi-service health --json, a scrape of the exporter
@@ -144,10 +144,11 @@ section_prepare() {
     fi
     PYTHONPATH="$ANSIBLE_SITE" "$PYTHON" "$ANSIBLE_SITE/bin/ansible-playbook" --version | head -3
     log "model"
-    if [[ ! -f $MODEL_SRC/config.json ]]; then
+    # PREPARE_MODEL=0: a run that serves only another shape (section kimi) skips the 16 GB Llama model.
+    if [[ ${PREPARE_MODEL:-1} == 1 && ! -f $MODEL_SRC/config.json ]]; then
         "$PYTHON" bench/gpu/make_model.py "$MODEL_SRC" --shape llama-3.1-8b
     fi
-    du -sh "$MODEL_SRC"
+    du -sh "$MODEL_SRC" 2>/dev/null || echo "no Llama model (PREPARE_MODEL=0)"
     write_inventory "$INVENTORY" e2e/llama-3.1-8b "$MODEL_SRC"
     cp "$INVENTORY" "$RESULTS/inventory.yml"
     {
