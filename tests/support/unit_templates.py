@@ -1,20 +1,28 @@
-"""Render the systemd unit templates of roles/vllm_service, roles/gpu_exporter and roles/firewall with
-plain jinja2, as Ansible would, and the command line of model_weights' transient fan-out unit.
+"""Render the roles' templates as Ansible would.
 
-Ansible's own `comment` filter is used, so `{{ ansible_managed | comment }}` renders exactly as in a
-play; the variables are the defaults of kimi_common and the roles, plus the derived start window and the
-firewall's rules file.
+`render` renders the systemd unit templates of roles/vllm_service, roles/gpu_exporter and roles/firewall
+with plain jinja2 and the filters they use (Ansible's own `comment`, so `{{ ansible_managed | comment }}`
+renders exactly as in a play, and the project's kimi_* filters); the variables are the defaults of
+kimi_common and the roles, plus the derived start window and the firewall's rules file. `fanout_argv`
+renders the command line of model_weights' transient fan-out unit. `render_role_template` renders any
+template of any role with Ansible's own templating, every role variable evaluated lazily as in a play.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import yaml
 from ansible.plugins.filter.core import comment
 
 REPO = Path(__file__).resolve().parents[2]
+KIMI_FILTERS_DIR = REPO / "roles" / "kimi_common" / "filter_plugins"
 ROLE_OF_UNIT = {
     "kimi-vllm.service": "vllm_service",
     "kimi-exporter.service": "gpu_exporter",
@@ -82,4 +90,53 @@ def render(name: str, values: dict[str, object]) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True)
     env.filters["comment"] = comment
+    env.filters.update(kimi_filters())
     return env.get_template(f"{name}.j2").render(values)
+
+
+def kimi_filters() -> dict[str, Any]:
+    """The project's own filters (roles/kimi_common/filter_plugins), as Ansible loads them."""
+    spec = importlib.util.spec_from_file_location("kimi_values_filters", KIMI_FILTERS_DIR / "kimi_values.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FilterModule().filters()
+
+
+def _trusted(node: Any) -> Any:
+    """YAML from the roles' own files, trusted as templates the way Ansible trusts the files it loads."""
+    from ansible.template import trust_as_template
+
+    if isinstance(node, str):
+        return trust_as_template(node)
+    if isinstance(node, dict):
+        return {key: _trusted(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_trusted(value) for value in node]
+    return node
+
+
+def role_files(role: str, kind: str) -> dict[str, Any]:
+    """A role's defaults or vars (kind), trusted as templates."""
+    return copy.copy(_role_files(role, kind))
+
+
+@cache
+def _role_files(role: str, kind: str) -> dict[str, Any]:
+    path = REPO / "roles" / role / kind / "main.yml"
+    return _trusted(yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def render_role_template(template: Path, inventory: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
+    """`template` (roles/ROLE/templates/NAME.j2) rendered by Ansible's templating as the template module does:
+    the defaults of kimi_common and the role under the `inventory` values, their vars/main.yml above them (role
+    vars outrank the inventory), `facts` (set_fact, magic variables) on top; each evaluated when it is read."""
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.plugins.loader import add_all_plugin_dirs
+    from ansible.template import Templar, trust_as_template
+
+    add_all_plugin_dirs(str(KIMI_FILTERS_DIR.parent))
+    role = template.parent.parent.name
+    known = {**role_files("kimi_common", "defaults"), **role_files(role, "defaults"), **inventory,
+             **role_files("kimi_common", "vars"), **role_files(role, "vars"), **facts}
+    templar = Templar(loader=DataLoader(), variables=known).copy_with_new_env(searchpath=[str(template.parent)])
+    return templar.template(trust_as_template(template.read_text()), escape_backslashes=False)

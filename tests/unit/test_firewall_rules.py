@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from ansible.parsing.dataloader import DataLoader
+from ansible.plugins.loader import add_all_plugin_dirs
 from ansible.template import Templar, trust_as_template
 
 ROLES = Path(__file__).resolve().parents[2] / "roles"
@@ -18,6 +19,7 @@ HOSTVARS = {"gpu-1": {"ansible_host": "203.0.113.10"}, "gpu-2": {"ansible_host":
 
 
 def _rules(**overrides) -> str:
+    add_all_plugin_dirs(str(ROLES / "kimi_common"))  # its filters (kimi_ip_family), as the role's play loads them
     loader = DataLoader()
     values: dict = {}
     for path in ("kimi_common/defaults/main.yml", "kimi_common/vars/main.yml", "firewall/defaults/main.yml",
