@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: bootstrap controller lint unit test demo demo-down clean
+.PHONY: bootstrap controller lint unit fuzz test demo demo-down clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -25,6 +25,10 @@ lint: bootstrap
 
 unit: bootstrap
 	$(BIN)/python -m pytest -m "not slow"
+
+# The generated-input layer (tests/unit/fuzz) at length: thousands of inputs per entry point, no deadline.
+fuzz: bootstrap
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/unit/fuzz -p no:cacheprovider
 
 # Two workers, a module per worker at a time (its hosts and engine are module fixtures), in the order
 # tests/conftest.py collects them (longest first), not xdist's own (most tests first).

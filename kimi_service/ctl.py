@@ -22,6 +22,7 @@ import httpx
 
 from kimi_service.config import Config
 from kimi_service.errors import UsageError
+from kimi_service.http_client import client_for
 
 PROGRAMS = ("kimi-vllm", "kimi-exporter", "kimi-health")
 ENGINE = "kimi-vllm"
@@ -176,7 +177,7 @@ def wait_started(url: str, failures: FailureWatch, command: subprocess.Popen[str
     one, or `wait` runs out (the reason, each)."""
     deadline = time.monotonic() + wait
     failed_at: float | None = None
-    with httpx.Client() as client:
+    with client_for(url) as client:
         while True:
             try:
                 if client.get(url, timeout=5).status_code == 200:

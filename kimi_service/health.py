@@ -21,6 +21,8 @@ import httpx
 
 from kimi_service import nvml as nvml_reader
 from kimi_service.credentials import bearer
+from kimi_service.http_client import client_for
+from kimi_service.untrusted import UntrustedInput, loads_json
 
 OK, DEGRADED, DOWN, SKIPPED = "ok", "degraded", "down", "skipped"
 _RANK = {SKIPPED: 0, OK: 0, DEGRADED: 1, DOWN: 2}
@@ -156,7 +158,7 @@ def smoke_completion(client: httpx.Client, target: Target, model: str) -> SmokeR
     if response.status_code != 200 or not _has_choices(response):
         return SmokeResult(False, target.url, model, response.status_code, latency, None, None,
                            f"chat completion answered {response.status_code}: {_excerpt(response)}")
-    answer = response.json()
+    answer = _json(response)
     message = answer["choices"][0].get("message") if isinstance(answer["choices"][0], dict) else None
     reply = message.get("content") if isinstance(message, dict) else None
     usage = answer.get("usage")
@@ -174,8 +176,8 @@ def check_smoke(client: httpx.Client, target: Target, model: str) -> Check:
 
 def _json(response: httpx.Response) -> Any:
     try:
-        return response.json()
-    except ValueError:  # not JSON, or not UTF-8
+        return loads_json(response.content, response.request.url.path)
+    except UntrustedInput:  # not JSON, not UTF-8, nested too deep, or numbers JSON lacks
         return None
 
 
@@ -201,7 +203,7 @@ def _excerpt(response: httpx.Response) -> str:
 
 def probe_endpoint(target: Target, client: httpx.Client | None = None) -> list[Check]:
     own = client is None
-    client = client or httpx.Client()
+    client = client or client_for(target.url)
     try:
         checks = [check_liveness(client, target)]
         if checks[0].status == DOWN or target.follower:
@@ -331,8 +333,8 @@ def served_model(client: httpx.Client, target: Target) -> str | None:
     """The first model /v1/models lists, for a smoke test told no name."""
     try:
         response = client.get(f"{target.url}/v1/models", headers=target.headers(), timeout=target.timeout)
-        names = [m.get("id") for m in response.json().get("data", [])] if response.status_code == 200 else []
-    except (httpx.HTTPError, ValueError, AttributeError):
+        names = _model_ids(response) if response.status_code == 200 else []
+    except httpx.HTTPError:
         return None
     return names[0] if names else None
 

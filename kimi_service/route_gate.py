@@ -20,6 +20,9 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 TRUSTED_CLIENTS_ENV = "KIMI_API_TRUSTED_CLIENTS"
+# uvicorn's proxy-headers middleware rewrites scope["client"] from X-Forwarded-For when the peer is in
+# this list (default 127.0.0.1); the engine never gets it, so the client the gate judges is the socket's peer.
+FORWARDED_ALLOW_IPS = "FORWARDED_ALLOW_IPS"
 PUBLIC_PREFIX = "/v1/"
 MONITORING_PATHS = ("/health", "/metrics")
 

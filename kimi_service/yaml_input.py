@@ -67,8 +67,9 @@ def load_yaml(data: bytes) -> Any:
         line = data[: exc.start].count(b"\n") + 1
         raise YamlRefused(f"line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); save the file as "
                           "UTF-8") from None
-    loader = _StrictLoader(text)
+    loader = None
     try:
+        loader = _StrictLoader(text)  # reads the start already: a control character fails here
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -77,5 +78,8 @@ def load_yaml(data: bytes) -> Any:
                           f"{problem}") from None
     except yaml.YAMLError as exc:
         raise YamlRefused(f"not valid YAML: {' '.join(str(exc).split())}") from None
+    except (ValueError, OverflowError) as exc:  # a scalar its tag cannot hold: an int of 5,000 digits
+        raise YamlRefused(f"a value that cannot be read: {' '.join(str(exc).split())[:200]}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()

@@ -3,7 +3,7 @@
 
 Usage: `python3 scripts/vllm_flags.py WHEEL [OUT]`, e.g. with the wheel bench/gpu/prepare_wheels.sh
 downloads: `python3 scripts/vllm_flags.py .device/wheels/vllm-0.21.0-*.whl
-tests/fixtures/vllm-0.21.0-serve-flags.txt`. tests/unit/test_vllm_flags.py holds every flag the planner
+kimi_service/data/vllm-0.21.0-serve-flags.txt`. tests/unit/test_vllm_flags.py holds every flag the planner
 and the launcher emit against that file.
 
 Read without importing vLLM (no torch, no GPU needed): the engine's options are the `add_argument("--…")`

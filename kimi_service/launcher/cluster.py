@@ -21,6 +21,7 @@ import httpx
 
 from kimi_service.config import ClusterConfig, ConfigError
 from kimi_service.errors import EngineFailed
+from kimi_service.untrusted import UntrustedInput, loads_json
 
 # Probes in a row a follower may miss before the leader gives up on the group (a restart is caught
 # at once: the follower comes back as another instance).
@@ -159,9 +160,10 @@ class FollowerWatch:
         except httpx.HTTPError as exc:
             return None, f"not answering ({type(exc).__name__})"
         try:
-            body = response.json()
-        except ValueError:
-            body = {}
+            body = loads_json(response.content, response.request.url.path)
+        except UntrustedInput:
+            body = None
+        body = body if isinstance(body, dict) else {}
         if response.status_code != 200:
             return None, f"engine {body.get('engine', 'down')} (HTTP {response.status_code})"
         return str(body.get("instance")), ""

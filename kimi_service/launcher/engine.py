@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +21,7 @@ from kimi_service.launcher.launch import Launch
 from kimi_service.launcher.output import CauseFinder, tee
 from kimi_service.launcher.process import EngineGroupRecord, die_with_parent, guard_group
 from kimi_service.sdnotify import Notifier
+from kimi_service.untrusted import UntrustedInput, loads_json
 
 # serve's journal lines carry one name, whichever of its modules writes them.
 log = logging.getLogger(__package__)
@@ -201,7 +202,7 @@ class EngineApi:
             return False
         if response.status_code != 200:
             return False
-        return served_name in [m.get("id") for m in response.json().get("data", [])]
+        return served_name in [m.get("id") for m in _json_field(response, "data", list) if isinstance(m, dict)]
 
     def measured_kv_tokens(self, client: httpx.Client) -> int | None:
         try:
@@ -214,7 +215,17 @@ class EngineApi:
         the engine's metrics do not count yet), or at least those the engine runs or queues."""
         engine = requests_in_flight(client.get(f"{self.url}/metrics", timeout=self.timeout).text)
         answer = client.get(f"{self.url}/load", timeout=self.timeout)
-        load = answer.json().get("server_load") if answer.status_code == 200 else None
+        load = _json_field(answer, "server_load", int) if answer.status_code == 200 else None
         if not isinstance(load, int):
             return engine
         return max(load, engine or 0)
+
+
+def _json_field(response: httpx.Response, key: str, kind: type) -> Any:
+    """`key` of a JSON object answer when it is a `kind`, else kind's empty value (None for int)."""
+    try:
+        body = loads_json(response.content, response.request.url.path)
+    except UntrustedInput:
+        body = None
+    value = body.get(key) if isinstance(body, dict) else None
+    return value if isinstance(value, kind) and not isinstance(value, bool) else (None if kind is int else kind())

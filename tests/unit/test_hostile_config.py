@@ -66,7 +66,19 @@ def _check(tmp_path: Path, yaml_tail: str | bytes, config_json: dict | None = No
         (["--api_key", "k"], "set kimi_api_key (VLLM_API_KEY in secrets.env)"),
         (["--hf_token=k"], "set kimi_hf_token"),
         (["--config", "/tmp/x.yaml"], "--config is set by kimi-service itself"),
-        (["--h"], "'--h' may abbreviate --hf-token or --host"),
+        (["--h"], "'--h' may abbreviate --headless or --hf-token or --host"),
+        # argparse resolves a unique prefix among all of vLLM's options: these name one reserved flag.
+        (["--mod", "/elsewhere"], "'--mod' is ambiguous to vLLM (--model, --model-impl"),
+        (["--api-k=x"], "--api-key (vLLM reads '--api-k' as --api-key)"),
+        (["--conf", "x.yaml"], "'--conf' is ambiguous to vLLM (--config, --config-format)"),
+        (["--uds", "/run/x.sock"], "--uds is refused: the API server would listen on a Unix socket"),
+        (["--middle", "evil.Mw"], "--middleware (vLLM reads '--middle' as --middleware) is refused"),
+        (["--root-path=/x"], "--root-path is refused"),
+        (["--ssl_keyfile", "k.pem"], "--ssl-keyfile (vLLM reads '--ssl_keyfile' as --ssl-keyfile) is refused"),
+        (["--trust-request"], "--trust-request-chat-template (vLLM reads"),
+        (["--allowed-local", "/"], "--allowed-local-media-path (vLLM reads"),
+        (["--no-enable-ssl-refresh"], "--enable-ssl-refresh (vLLM reads '--no-enable-ssl-refresh'"),
+        (["--max-num", "8"], "'--max-num' is ambiguous to vLLM (--max-num-batched-tokens, --max-num-partial"),
         (["--host 0.0.0.0"], "is one item holding a flag and more"),
         (["--", "0.0.0.0"], "'--' would make vLLM read what follows as positional"),
         (["--enforce-eager\n--host=0.0.0.0"], "holds a control character"),
@@ -84,7 +96,8 @@ def test_extra_args_refuse_every_spelling_of_a_reserved_flag(args: list[str], fr
     "args",
     [["--enforce-eager"], ["--max_num_seqs", "8"], ["-tp", "2"], ["--kv-cache-dtype=fp8"],
      ["--hf-overrides", '{"a": 1}'], ["--model-impl", "vllm"], ["--max-num-seqs", "-1"],
-     ["--compilation-config.level", "3"], ["-O3"]],
+     ["--compilation-config.level", "3"], ["-O3"], ["--no-enable-prefix-caching"], ["--max-num-s", "8"],
+     ["--trust-remote-code"], ["--allowed-origins", '["https://a.example"]'], ["--tokenizer", "/models/t"]],
 )
 def test_extra_args_keep_flags_that_are_not_reserved(args: list[str]) -> None:
     assert parse_config(_plan(extra_args=args)).plan.extra_args == tuple(args)

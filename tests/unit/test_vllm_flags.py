@@ -1,6 +1,6 @@
 """Every flag the planner and the launcher emit is an option of the pinned vLLM's `vllm serve` (0.21.0).
 
-tests/fixtures/vllm-0.21.0-serve-flags.txt is read from the vLLM wheel by scripts/vllm_flags.py."""
+engine_flags.vllm_flags() reads the list scripts/vllm_flags.py wrote from the vLLM wheel."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 
 from kimi_service import catalog, launcher
 from kimi_service.config import parse_config
+from kimi_service.engine_flags import vllm_flags
 from kimi_service.hardware import parse_gpu_spec
 from kimi_service.model import inspect_model, spec_from_catalog
 from kimi_service.planner import DoesNotFit, plan
 from kimi_service.planner.overrides import _ALIASES
 from kimi_service.workloads import WORKLOADS
 
-KNOWN = {line for line in Path("tests/fixtures/vllm-0.21.0-serve-flags.txt").read_text().splitlines()
-         if line.startswith("--")}
+KNOWN = vllm_flags()
 RENTALS = [("8xH200", 1), ("H100-SXM:8", 2), ("A100-SXM4-80GB:8", 2), ("A100-SXM4-80GB:4", 1), ("L40S:2", 1),
            ("H200:1", 1)]
 CHECKPOINTS = sorted(p for p in Path("tests/fixtures/models").iterdir() if (p / "config.json").is_file())
