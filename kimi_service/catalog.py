@@ -81,20 +81,11 @@ _KIMI_K2_TEXT = {
     "vocab_size": 163840,
 }
 
-_KIMI_FLAGS = ("--trust-remote-code", "--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice")
+# Tool-call and reasoning parsers are not catalog facts: kimi_service.parsers derives them for every model.
+_KIMI_FLAGS = ("--trust-remote-code",)
 _KIMI_REASONS = {
     "--trust-remote-code": "the Kimi tokenizer (tiktoken) and config classes ship as code in the repo",
-    "--tool-call-parser": "Kimi's tool-call tokens need the kimi_k2 parser to become OpenAI tool_calls",
-    "--enable-auto-tool-choice": "lets clients send tool_choice=auto, as agent frameworks do",
-    "--reasoning-parser": "K2.5 thinks by default; kimi_k2 splits reasoning_content from content",
     "--mm-encoder-tp-mode": "the vision encoder is small: data-parallel copies beat TP all-reduces (recipe)",
-}
-
-_LLAMA_FLAGS = ("--tool-call-parser", "llama3_json", "--enable-auto-tool-choice")
-_QWEN_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
-_TOOL_REASONS = {
-    "--tool-call-parser": "turns the model's tool-call format into OpenAI tool_calls (vLLM tool-calling docs)",
-    "--enable-auto-tool-choice": "lets clients send tool_choice=auto",
 }
 
 ENTRIES: tuple[CatalogEntry, ...] = (
@@ -128,7 +119,7 @@ ENTRIES: tuple[CatalogEntry, ...] = (
         },
         # About 595 GB of safetensors (the model card's file listing; vLLM's recipe needs 8 x H200).
         weight_bytes=595 * 10**9,
-        flags=(*_KIMI_FLAGS, "--reasoning-parser", "kimi_k2", "--mm-encoder-tp-mode", "data"),
+        flags=(*_KIMI_FLAGS, "--mm-encoder-tp-mode", "data"),
         architectures=(AMPERE, HOPPER, BLACKWELL),
         source="vllm-project/recipes moonshotai/Kimi-K2.5.md (verified on 8xH200 TP8, GB200 TP4); HF model card",
         speculative=Speculative(
@@ -189,7 +180,7 @@ ENTRIES: tuple[CatalogEntry, ...] = (
             "tie_word_embeddings": False,
         },
         weight_bytes=16_060_522_496,  # model.safetensors.index.json metadata.total_size
-        flags=_LLAMA_FLAGS,
+        flags=(),
         architectures=(AMPERE, ADA, HOPPER, BLACKWELL),
         source="HF model card; vLLM docs 'Tool Calling' (llama3_json)",
         speculative=Speculative(
@@ -198,7 +189,6 @@ ENTRIES: tuple[CatalogEntry, ...] = (
             num_speculative_tokens=3,
             source="vLLM docs features/spec_decode (EAGLE draft models)",
         ),
-        flag_reasons=_TOOL_REASONS,
     ),
     CatalogEntry(
         repo_id="meta-llama/Llama-3.1-70B-Instruct",
@@ -217,10 +207,9 @@ ENTRIES: tuple[CatalogEntry, ...] = (
             "tie_word_embeddings": False,
         },
         weight_bytes=141_107_412_992,  # model.safetensors.index.json metadata.total_size
-        flags=_LLAMA_FLAGS,
+        flags=(),
         architectures=(AMPERE, ADA, HOPPER, BLACKWELL),
         source="HF model card; vLLM docs 'Tool Calling' (llama3_json)",
-        flag_reasons=_TOOL_REASONS,
     ),
     CatalogEntry(
         repo_id="Qwen/Qwen2.5-7B-Instruct",
@@ -239,10 +228,9 @@ ENTRIES: tuple[CatalogEntry, ...] = (
             "tie_word_embeddings": False,
         },
         weight_bytes=15_231_233_024,  # model.safetensors.index.json metadata.total_size
-        flags=_QWEN_FLAGS,
+        flags=(),
         architectures=(AMPERE, ADA, HOPPER, BLACKWELL),
         source="HF model card (32K native; YaRN to 128K is opt-in); Qwen docs: vLLM deployment (hermes parser)",
-        flag_reasons=_TOOL_REASONS,
     ),
     CatalogEntry(
         repo_id="Qwen/Qwen2.5-72B-Instruct-AWQ",
@@ -264,10 +252,9 @@ ENTRIES: tuple[CatalogEntry, ...] = (
         },
         # Sum of the 11 safetensors shards in the HF file listing: about 41.6 GB.
         weight_bytes=41_600 * 10**6,
-        flags=_QWEN_FLAGS,
+        flags=(),
         architectures=(AMPERE, ADA, HOPPER, BLACKWELL),
         source="HF model card and file listing; vLLM picks the awq_marlin kernel on Ampere and newer",
-        flag_reasons=_TOOL_REASONS,
     ),
     CatalogEntry(
         repo_id="MiniMaxAI/MiniMax-M2",
@@ -293,21 +280,11 @@ ENTRIES: tuple[CatalogEntry, ...] = (
         },
         # 230 B parameters in FP8 with block scales: about 230 GB.
         weight_bytes=230 * 10**9,
-        flags=(
-            "--trust-remote-code",
-            "--tool-call-parser",
-            "minimax_m2",
-            "--reasoning-parser",
-            "minimax_m2_append_think",
-            "--enable-auto-tool-choice",
-        ),
+        flags=("--trust-remote-code",),
         architectures=(AMPERE, HOPPER, BLACKWELL),
         source="vllm-project/recipes MiniMax/MiniMax-M2.md (TP4; TP8 with --enable-expert-parallel)",
         flag_reasons={
             "--trust-remote-code": "the config and model classes ship as code in the repo",
-            "--tool-call-parser": "MiniMax's XML tool calls need the minimax_m2 parser",
-            "--reasoning-parser": "keeps the <think> block in the content, as MiniMax asks for multi-turn use",
-            "--enable-auto-tool-choice": "lets clients send tool_choice=auto",
         },
     ),
 )

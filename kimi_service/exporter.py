@@ -7,7 +7,6 @@ never delays a scrape. vLLM's own /metrics is scraped by Prometheus directly, no
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -26,6 +25,7 @@ from kimi_service import health
 from kimi_service import nvml as nvml_reader
 from kimi_service.errors import UsageError
 from kimi_service.http_limits import IDLE_TIMEOUT, server_class
+from kimi_service.untrusted import read_json
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class HealthPoller:
 
 def read_plan(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -213,17 +213,24 @@ class KimiCollector(Collector):
     def _collect(self) -> Iterator[Metric]:
         snapshot: nvml_reader.GpuSnapshot | None = None
         checks: list[health.Check] = list(self._poller.checks()) if self._poller else []
+        reason = ""
         try:
             snapshot = nvml_reader.sample(self._session())
             self._nvml_error = None
         except nvml_reader.NvmlUnavailable as exc:
             self._drop_session()
+            # The label is NvmlUnavailable.kind, a fixed set, so the series stays one per reason; the
+            # message (driver text, the fix) goes to the log, once per change.
+            reason = exc.kind
+            if str(exc) != self._nvml_error:
+                log.warning("%s", exc)
             self._nvml_error = str(exc)
             checks.append(health.nvml_failure(exc, expect_gpus=False))
             if exc.kind != "missing":
                 self._scrape_errors += 1
-        up = GaugeMetricFamily("kimi_nvml_up", "1 when NVML answered this scrape, else 0.", labels=["reason"])
-        up.add_metric([self._nvml_error or ""], 1.0 if snapshot else 0.0)
+        up = GaugeMetricFamily("kimi_nvml_up", "1 when NVML answered this scrape, else 0; reason: missing (no "
+                               "driver), mismatch (driver/library version mismatch) or error", labels=["reason"])
+        up.add_metric([reason], 1.0 if snapshot else 0.0)
         yield up
 
         if snapshot is not None:

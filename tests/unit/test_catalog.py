@@ -65,14 +65,9 @@ def test_published_index_sizes_match(entry):
 def test_kimi_k25_flags_and_draft():
     entry = catalog.get("moonshotai/Kimi-K2.5")
     assert entry is not None
-    flags = " ".join(entry.flags)
-    for needed in (
-        "--trust-remote-code",
-        "--tool-call-parser kimi_k2",
-        "--reasoning-parser kimi_k2",
-        "--enable-auto-tool-choice",
-    ):
-        assert needed in flags
+    assert "--trust-remote-code" in entry.flags
+    parsers = inspect_model(entry.repo_id).parsers
+    assert (parsers.tool_parser, parsers.reasoning_parser) == ("kimi_k2", "kimi_k2")
     assert entry.speculative is not None and entry.speculative.method == "eagle3"
     assert entry.weight_bytes == 595 * 10**9
 

@@ -159,8 +159,6 @@ def test_planner_costs_the_int4_experts_as_stored_and_the_vision_encoder(tmp_pat
     assert "--trust-remote-code" in plan["argv"]
 
 
-@pytest.mark.xfail(strict=True, reason="the planner takes Kimi's parser flags from the catalog entry, matched by "
-                   "shape including the layer count, so a reduced-depth Kimi K2.5 gets none of them")
 def test_planner_gives_the_reduced_depth_model_kimis_parsers(tmp_path, capsys):
     argv = " ".join(_plan(tmp_path, capsys)["argv"])
     assert "--tool-call-parser kimi_k2" in argv
