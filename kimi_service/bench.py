@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import httpx
 
 from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
-from kimi_service.plots import pyplot
+from kimi_service.http_client import async_client_for, client_for
 
 APIS = ("chat", "completions")
 PERCENTILES = (50, 90, 99)
@@ -33,37 +34,63 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class Slo:
-    """Service-level objectives in seconds; None means no objective on that measure."""
+    """Per-request objectives in seconds; None means no objective on that measure.
+
+    ttft, tpot and e2el are `vllm bench serve --goodput`'s terms (vllm/benchmarks/serve.py,
+    calculate_metrics): a request is good when it succeeded and each measure given is at most its bound,
+    TPOT being (latency - TTFT) / (output tokens - 1), 0 for a one-token answer. itl bounds every gap
+    between streamed tokens: stricter (one slow step fails the whole request), and ours alone."""
 
     ttft: float | None = None
     itl: float | None = None
+    tpot: float | None = None
+    e2el: float | None = None
+
+    TERMS = ("ttft", "tpot", "e2el", "itl")
 
     @classmethod
     def parse(cls, text: str | None) -> Slo:
-        """`ttft=2,itl=0.1` (seconds; a `ms` suffix is accepted)."""
+        """`ttft=2,tpot=50ms,e2el=20,itl=0.1` (seconds; a `ms` suffix is accepted), or vLLM's own
+        `ttft:2000 tpot:50` (milliseconds, as `vllm bench serve --goodput` takes them)."""
         if not text:
             return cls()
         values: dict[str, float] = {}
-        for part in text.split(","):
+        for part in re.split(r"[,\s]+", text.strip()):
             key, sep, raw = part.partition("=")
-            key = key.strip()
-            if not sep or key not in ("ttft", "itl"):
-                raise UsageError(f"--slo: expected ttft=SECONDS,itl=SECONDS, got {part!r}")
-            raw = raw.strip()
+            milliseconds = not sep and ":" in part
+            if milliseconds:
+                key, _, raw = part.partition(":")
+            key, raw = key.strip(), raw.strip()
+            if not (sep or milliseconds) or key not in cls.TERMS:
+                raise UsageError(f"--slo: expected ttft=SECONDS,tpot=SECONDS,e2el=SECONDS,itl=SECONDS "
+                                 f"(or vLLM's ttft:MS), got {part!r}")
             try:
-                values[key] = float(raw[:-2]) / 1000 if raw.endswith("ms") else float(raw.rstrip("s"))
+                if milliseconds or raw.endswith("ms"):
+                    values[key] = float(raw.removesuffix("ms")) / 1000
+                else:
+                    values[key] = float(raw.rstrip("s"))
             except ValueError:
                 raise UsageError(f"--slo: {key} must be a number of seconds (or 250ms), got {raw!r}") from None
-            if values[key] <= 0:
+            if not 0 < values[key] < math.inf:
                 raise UsageError(f"--slo: {key} must be positive")
         return cls(**values)
 
-    def met_by(self, result: RequestResult) -> bool:
-        if not result.ok:
+    def met_by(self, result: RequestResult, *, itl: bool = True) -> bool:
+        """Every objective met (`itl=False`: vLLM's terms alone)."""
+        return result.ok and self.met_by_outcome(result.outcome(), itl=itl)
+
+    def met_by_outcome(self, outcome: dict[str, Any], *, itl: bool = True) -> bool:
+        """The same test on a request's recorded outcome (RequestResult.outcome)."""
+        if not outcome["ok"]:
             return False
-        if self.ttft is not None and result.ttft > self.ttft:
-            return False
-        return not (self.itl is not None and result.itls and max(result.itls) > self.itl)
+        bounds = [(self.ttft, outcome["ttft"]), (self.tpot, outcome["tpot"]), (self.e2el, outcome["e2e"])]
+        if itl:
+            bounds.append((self.itl, outcome["max_itl"]))
+        return all(bound is None or value <= bound for bound, value in bounds)
+
+    def describe(self) -> str:
+        return ", ".join(f"{'max ITL' if term == 'itl' else term.upper()} <= {getattr(self, term)} s"
+                         for term in self.TERMS if getattr(self, term) is not None) or "none"
 
 
 @dataclass
@@ -81,6 +108,11 @@ class RequestResult:
         if not self.ok or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def outcome(self) -> dict[str, Any]:
+        """What the SLO is judged on, kept per request so that goodput's spread can be resampled."""
+        return {"ok": self.ok, "ttft": self.ttft, "tpot": self.tpot or 0.0, "e2e": self.e2e,
+                "max_itl": max(self.itls, default=0.0)}
 
 
 @dataclass
@@ -114,6 +146,10 @@ class LevelResult:
     e2e_s: Distribution
     error_samples: list[str]
     request_rate: float | None = None  # requests/s offered (open loop); None for a closed loop
+    # Under an ITL objective: requests/s that met vLLM's terms alone (what `vllm bench serve --goodput`
+    # reports), beside goodput_requests_per_s, which also holds every gap to the ITL bound.
+    vllm_goodput_requests_per_s: float | None = None
+    outcomes: list[dict[str, Any]] = field(default_factory=list)  # each request's RequestResult.outcome()
 
 
 @dataclass
@@ -164,6 +200,9 @@ def summarize(
         e2e_s=Distribution.of([r.e2e for r in good]),
         error_samples=sorted({r.error for r in results if r.error})[:5],
         request_rate=request_rate,
+        vllm_goodput_requests_per_s=(sum(1 for r in results if slo.met_by(r, itl=False)) / duration_s
+                                     if slo.itl is not None else None),
+        outcomes=[r.outcome() for r in results],
     )
 
 
@@ -450,6 +489,7 @@ class BenchSettings:
     timeout_s: float = 600.0
     seed: int = 0
     request_rates: list[float] = field(default_factory=list)  # open-loop levels, requests/s
+    requests_per_client: int = 1  # closed loop: a level sends at least this many requests per client
 
     def validate(self) -> None:
         if not self.request_rates and (not self.concurrency or any(c < 1 for c in self.concurrency)):
@@ -463,6 +503,11 @@ class BenchSettings:
             raise UsageError("--shared-prefix-len must not be negative")
         if self.api not in APIS:
             raise UsageError(f"--api must be one of {', '.join(APIS)}")
+
+
+def level_requests(settings: BenchSettings, concurrency: int) -> int:
+    """Requests a closed-loop level sends: --prompts, and at least requests_per_client per client."""
+    return max(settings.prompts, settings.requests_per_client * concurrency)
 
 
 def _key_refused(settings: BenchSettings, status: str) -> UsageError:
@@ -497,17 +542,17 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
     settings.validate()
     headers = bearer(settings.api_key)
     base = settings.url.rstrip("/")
-    with httpx.Client(base_url=base, headers=headers, timeout=30) as probe:
+    with client_for(base, base_url=base, headers=headers, timeout=30) as probe:
         tokenizer = Tokenizer(_tokenizer_source(settings, probe))
-    count = settings.prompts if settings.request_rates else max(settings.prompts, max(settings.concurrency))
+    count = settings.prompts if settings.request_rates else level_requests(settings, max(settings.concurrency))
     system, prompts = make_prompts(tokenizer, count, settings.input_len, settings.shared_prefix_len, settings.seed)
     bodies = [_request_body(settings.api, settings.model, system, p, settings.output_len) for p in prompts]
     path = "/v1/chat/completions" if settings.api == "chat" else "/v1/completions"
 
     async def sweep() -> list[LevelResult]:
         limits = httpx.Limits(max_connections=max(settings.concurrency) + 4, max_keepalive_connections=None)
-        async with httpx.AsyncClient(
-            base_url=base, headers=headers, timeout=settings.timeout_s, limits=limits
+        async with async_client_for(
+            base, base_url=base, headers=headers, timeout=settings.timeout_s, limits=limits
         ) as client:
             warmup = await send_request(client, path, bodies[0])
             if warmup.error and warmup.error.startswith(("HTTP 401", "HTTP 403")):
@@ -523,7 +568,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
                 )
                 levels.append(summarize(peak, results, duration, settings.slo, request_rate=rate))
             for concurrency in [] if settings.request_rates else settings.concurrency:
-                batch = bodies[: max(settings.prompts, concurrency)]
+                batch = bodies[: level_requests(settings, concurrency)]
                 bar = Progress(len(batch), f"concurrency {concurrency:>3}")
                 results, duration = await run_level(
                     client, path, batch, concurrency, bar.advance if progress else (lambda: None)
@@ -541,55 +586,3 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> BenchReport:
 
 # ------------------------------------------------------------------------------------------------
 # Output
-
-
-def format_table(report: BenchReport) -> str:
-    ms = 1000.0
-    header = (
-        f"{'rate/s':>6} {'conc':>4} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} {'goodput':>8} "
-        f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'TPOT p50':>9} "
-        f"{'E2E p50':>8} {'p99':>8}"
-    )
-    lines = [
-        f"{report.model} at {report.url} ({report.api}); input {report.input_len} tokens"
-        + (f" after a shared {report.shared_prefix_len}-token system prompt" if report.shared_prefix_len else "")
-        + f", output {report.output_len} tokens; latencies in ms",
-        header,
-        "-" * len(header),
-    ]
-    for lv in report.levels:
-        rate = "closed" if lv.request_rate is None else f"{lv.request_rate:g}"
-        lines.append(
-            f"{rate:>6} {lv.concurrency:>4} {lv.requests:>5} {lv.errors:>4} {lv.output_tokens_per_s:>10.1f} "
-            f"{lv.requests_per_s:>7.2f} {lv.goodput_requests_per_s:>8.2f} "
-            f"{lv.ttft_s.p50 * ms:>9.1f} {lv.ttft_s.p90 * ms:>8.1f} {lv.ttft_s.p99 * ms:>8.1f} "
-            f"{lv.itl_s.p50 * ms:>8.1f} {lv.itl_s.p99 * ms:>8.1f} {lv.tpot_s.p50 * ms:>9.1f} "
-            f"{lv.e2e_s.p50 * ms:>8.1f} {lv.e2e_s.p99 * ms:>8.1f}"
-        )
-    slo = report.slo
-    if slo.ttft is not None or slo.itl is not None:
-        lines.append(f"goodput: requests/s with TTFT <= {slo.ttft} s and every ITL <= {slo.itl} s")
-    for lv in report.levels:
-        level = f"concurrency {lv.concurrency}" if lv.request_rate is None else f"{lv.request_rate:g} requests/s"
-        for sample in lv.error_samples:
-            lines.append(f"error at {level}: {sample}")
-    return "\n".join(lines)
-
-
-def write_plot(report: BenchReport, path: Path) -> None:
-    plt = pyplot("--plot")
-    open_loop = any(lv.request_rate is not None for lv in report.levels)
-    xs = [(lv.request_rate if open_loop else lv.concurrency) for lv in report.levels]
-    xlabel = "requests/s offered" if open_loop else "concurrency"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(xs, [lv.output_tokens_per_s for lv in report.levels], marker="o")
-    left.set(xscale="log", xlabel=xlabel, ylabel="output tokens/s", title="Throughput")
-    right.plot(xs, [lv.ttft_s.p99 for lv in report.levels], marker="o", color="tab:red")
-    right.set(xscale="log", xlabel=xlabel, ylabel="seconds", title="TTFT p99")
-    for axis in (left, right):
-        axis.set_xticks(xs, [f"{x:g}" for x in xs])
-        axis.grid(True, alpha=0.3)
-    fig.suptitle(f"{report.model}: input {report.input_len}, output {report.output_len} tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -11,24 +11,25 @@ closed loop at each concurrency, its exact-length prompts, for each request shap
    FP8 KV where the GPU has it and the cache is what bounds the workload, the catalog's draft model when
    its weights are on the host, or the operator's own `--candidate` sets), likeliest first, since the
    budget may end the list;
-3. every single change that won, together (of two values of one flag, the better one's).
+3. the plan again: its two runs are the baseline, and a drift between them widens its bands;
+4. the next value of each winning flag while it keeps winning (a winning `--max-num-seqs 128`: 256), then
+   every change that won, together (of two values of one flag, the better one's).
 
-A candidate wins only when it is at least `floor` (0.98) x the baseline in output tokens/s and in goodput at
-every concurrency of every request shape, with no failed request, and beats the baseline's goodput (the
-geometric mean of the per-level ratios, each side given half a request more, so that a level where the
-baseline met the SLO with no request still counts) by more than the noise margin. The best winner is written
-to `tuned.json` in the state directory with each flag's measured reason; serve adds those flags to the plan
-while the file was measured for the same model, engine, GPUs, workload, traffic and operator flags, and
-ignores it otherwise. Each measurement is kept as it finishes, so an interrupted or over-budget run resumes
-where it stopped; the engine's compile caches are the service's own, so the winner's first start as a service
-reuses them.
+Each level sends at least 64 requests and 4 per client. Each point (request shape, concurrency) gets a
+goodput band: a bootstrap over its requests (`goodput_band`), the baseline's pooled over its runs. A
+candidate wins at a point when its band lies wholly above the baseline's and loses there when its band lies
+wholly below `FLOOR` (0.98) x the baseline's; anything else is the same, as far as the measurement can tell.
+It is applied only when it wins somewhere, loses nowhere and failed no request (the best such by the
+geometric mean of its goodput ratios). The winner is then measured again between two runs of the plan
+(`verify`, also `tune --verify`), and serve applies tuned.json's flags only where that gain held and the
+file was measured for the same model, engine, GPUs, workload, traffic and operator flags. Each measurement
+is kept as it finishes, so an interrupted or over-budget run resumes where it stopped; the engine's compile
+caches are the service's own, so the winner's first start as a service reuses them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import re
 import signal
@@ -43,50 +44,44 @@ from typing import Any
 import httpx
 
 from kimi_service import bench, catalog
+from kimi_service.bench import Slo
 from kimi_service.config import Config
 from kimi_service.engine_flags import check_extra_args, option_name
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.files import write_atomic
+from kimi_service.http_client import client_for
 from kimi_service.planner.budget import DEFAULT_BATCHED_TOKENS
-from kimi_service.plots import pyplot
+from kimi_service.tune_report import format_table, write_plot
+from kimi_service.tune_stats import (
+    CONFIDENCE,
+    FLOOR,
+    RESAMPLES,
+    Band,
+    Candidate,
+    Measurement,
+    Outcome,
+    Point,
+    Verdict,
+    decide,
+    judge,
+    measured_bands,
+    point_said,
+    precision_said,
+    run_bands,
+    run_noise,
+)
 from kimi_service.tuned import TUNED_FILE, Workload, configuration_key, read_tuned
+from kimi_service.untrusted import read_json
 from kimi_service.workloads import PROFILES
 
-FLOOR = 0.98  # a candidate below this share of the baseline at any point loses
-NOISE = 0.02  # and must beat the baseline's summed goodput by more than this to win
+MIN_REQUESTS = 64  # requests per level at least, and at least
+REQUESTS_PER_CLIENT = 4  # this many per client: one slow request must not swing a level's goodput far
 START_TIMEOUT_S = 1800.0
 SHORT_PREFILL_TOKENS = 2048  # prefill chunks that keep decode steps short; prompts longer than this are long
 LONG_PREFILL_TOKENS = 16384  # and chunks that prefill them in fewer, larger steps
 # vLLM 0.21 logs "Asynchronous scheduling is enabled" with no flag given: the candidate would be the
 # baseline measured again.
 ASYNC_SCHEDULING_DEFAULT_SINCE = (0, 21)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    flags: tuple[str, ...]
-    why: str  # what the change is expected to buy
-
-    @property
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.flags).encode()).hexdigest()[:12]
-
-
-@dataclass
-class Measurement:
-    candidate: Candidate
-    levels: list[dict[str, Any]]
-    start_s: float  # from spawning the engine until it answered
-    total_s: float  # start, sweep and stop: what the next candidate will likely cost
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    wins: bool
-    score: float  # summed goodput (or tokens/s) over the baseline's
-    reason: str
 
 
 def parse_duration(text: str) -> float:
@@ -98,63 +93,6 @@ def parse_duration(text: str) -> float:
     if value <= 0:
         raise UsageError("--budget must be positive")
     return value
-
-
-Point = tuple[str, int]  # (the request shape's label, "" for a workload of one shape; concurrency)
-
-
-def level_map(levels: Sequence[dict[str, Any]]) -> dict[Point, dict[str, Any]]:
-    """A measurement's levels by (request shape, concurrency)."""
-    return {(level.get("traffic", ""), level["concurrency"]): level for level in levels}
-
-
-def _said(point: Point) -> str:
-    traffic, conc = point
-    return f"concurrency {conc}" + (f" of {traffic}" if traffic else "")
-
-
-def judge(baseline: Measurement, candidate: Measurement, floor: float = FLOOR, noise: float = NOISE) -> Verdict:
-    """Whether `candidate` beats `baseline` without losing anywhere (see the module docstring)."""
-    if candidate.error:
-        return Verdict(False, 0.0, f"did not run: {candidate.error}")
-    base, cand = level_map(baseline.levels), level_map(candidate.levels)
-    if set(base) != set(cand):
-        return Verdict(False, 0.0, "measured other concurrency levels or request shapes than the baseline")
-    worst: tuple[float, str] | None = None
-    for point in sorted(base):
-        b, c = base[point], cand[point]
-        if c["errors"]:
-            return Verdict(False, 0.0, f"{c['errors']} failed request(s) at {_said(point)}")
-        for name, label in (("output_tokens_per_s", "output tokens/s"), ("goodput_requests_per_s", "goodput")):
-            if b[name] > 0 and (worst is None or c[name] / b[name] < worst[0]):
-                worst = (c[name] / b[name], f"{label} {c[name] / b[name]:.2f}x the baseline at {_said(point)}")
-    if worst is not None and worst[0] < floor:
-        return Verdict(False, worst[0], worst[1])
-    # Each level counts alike (a sum would be the highest concurrency's alone): the geometric mean of the
-    # per-level goodput ratios.
-    ratios = {point: goodput_ratio(base[point], cand[point]) for point in sorted(base)}
-    score = math.prod(ratios.values()) ** (1 / len(ratios)) if ratios else 0.0
-    best = max(sorted(ratios), key=ratios.__getitem__)
-    detail = (f"{score:.2f}x the baseline's goodput (geometric mean over the levels), {ratios[best]:.2f}x at "
-              f"{_said(best)} ({_goodput_said(base[best])} -> {_goodput_said(cand[best])})")
-    if score <= 1 + noise:
-        return Verdict(False, score, f"no better than the baseline: {detail}")
-    return Verdict(True, score, detail)
-
-
-def goodput_ratio(base: dict[str, Any], cand: dict[str, Any]) -> float:
-    """Goodput over the baseline's with half a request added to each side. Where the baseline met the SLO
-    with no request, a candidate that brings some into it still counts as a gain (a plain ratio would be
-    undefined); where neither met it, the ratio is that of the same requests' durations: their throughput."""
-    def smoothed(level: dict[str, Any]) -> float:
-        return level["goodput_requests_per_s"] + 0.5 / level["duration_s"]
-
-    return smoothed(cand) / smoothed(base)
-
-
-def _goodput_said(level: dict[str, Any]) -> str:
-    good = round(level["goodput_requests_per_s"] * level["duration_s"])
-    return f"{good} of {level['requests']} requests in the SLO"
 
 
 def _version(text: str | None) -> tuple[int, ...]:
@@ -187,14 +125,15 @@ def trial_candidates(
     if profile.trial_batched_tokens:
         add("max-num-batched-tokens", ("--max-num-batched-tokens", str(profile.trial_batched_tokens)),
             f"the {profile.name} workload's prefill chunk ({profile.why})")
-    if workload.slo.itl and top > 1 and longest_prompt > SHORT_PREFILL_TOKENS:
+    step_bound = ("ITL", workload.slo.itl) if workload.slo.itl else ("TPOT", workload.slo.tpot)
+    if step_bound[1] and top > 1 and longest_prompt > SHORT_PREFILL_TOKENS:
         # A decode step that shares its batch with a full default chunk of someone's prompt takes as long
-        # as that prefill; with many clients and long prompts that is most steps, and each can break the ITL
-        # objective. Smaller chunks keep steps short at some cost in time to first token.
+        # as that prefill; with many clients and long prompts that is most steps, and each can break an ITL
+        # or TPOT objective. Smaller chunks keep steps short at some cost in time to first token.
         add("short-prefill-chunks", ("--max-num-batched-tokens", str(SHORT_PREFILL_TOKENS)),
             f"prompts of up to {longest_prompt:,} tokens prefilled {SHORT_PREFILL_TOKENS:,} at a time (vLLM's "
             f"default chunk is {DEFAULT_BATCHED_TOKENS:,}): decode steps that share a batch with a prefill stay "
-            f"short, for the SLO's ITL <= {workload.slo.itl} s")
+            f"short, for the SLO's {step_bound[0]} <= {step_bound[1]} s")
     if plan.get("engine") == "cuda" and top < 512:
         add("cuda-graphs-to-load", ("--max-cudagraph-capture-size", str(max(top, 8))),
             f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
@@ -244,11 +183,11 @@ class Store:
     def load(self, candidate: Candidate) -> Measurement | None:
         path = self.directory / f"{candidate.key}.json"
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return Measurement(candidate=candidate, levels=data["levels"], start_s=data["start_s"],
-                           total_s=data["total_s"], error=data.get("error"))
+            data = read_json(path)
+            return Measurement(candidate=candidate, levels=data["levels"], start_s=data["start_s"],
+                               total_s=data["total_s"], error=data.get("error"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # not one this store wrote: measured again
 
     def save(self, measurement: Measurement) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -260,18 +199,21 @@ class Store:
 Measure = Callable[[Candidate], Measurement]
 
 
-@dataclass
-class Outcome:
-    baseline: Measurement
-    measured: list[tuple[Measurement, Verdict]]
-    skipped: list[tuple[Candidate, str]]
-    winner: Measurement  # the baseline when nothing won
-    reused: int  # measurements read back from an earlier run
+PLAN = Candidate("plan", (), "the plan alone: vLLM's defaults for speed")
 
 
-def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_s: float,
+def _drift(baselines: Sequence[Measurement], slo: Slo) -> list[str]:
+    if len(baselines) < 2:
+        return []
+    first, later = run_bands(baselines[0], slo), run_bands(baselines[-1], slo)
+    return [f"the plan's goodput moved from {first[point].said()} to {later[point].said()} at {point_said(point)}"
+            for point in first if point in later and decide(first[point], later[point], 1.0) != "same"]
+
+
+def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_s: float, slo: Slo, *,
            log: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic) -> Outcome:
-    """Baseline, each single change, then the winners together; within the budget, resumable."""
+    """The plan, each single change, the plan again; then the next values of the winners and the winners
+    together: within the budget, resumable."""
     started = clock()
     reused = 0
 
@@ -287,39 +229,95 @@ def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_
         store.save(result)
         return result
 
-    baseline = run(Candidate("plan", (), "the plan alone: vLLM's defaults for speed"))
-    if baseline.error:
-        raise KimiError(f"the plan's own engine did not serve the workload ({baseline.error}): nothing to "
+    baselines = [run(PLAN)]
+    if baselines[0].error:
+        raise KimiError(f"the plan's own engine did not serve the workload ({baselines[0].error}): nothing to "
                         "compare candidates with; fix that first (kimi-service serve --check, the engine log)")
+    log(precision_said(baselines[0], slo, budget_s))
     measured: list[tuple[Measurement, Verdict]] = []
     skipped: list[tuple[Candidate, str]] = []
 
-    def within_budget(candidate: Candidate) -> bool:
+    def cost() -> float:
+        return max([*(b.total_s for b in baselines), *(m.total_s for m, _ in measured)])
+
+    def within_budget(candidate: Candidate, reserve: float = 0.0) -> bool:
         spent = clock() - started
-        cost = max([baseline.total_s, *(m.total_s for m, _ in measured)])
-        if store.load(candidate) is None and spent + cost > budget_s:
+        if store.load(candidate) is None and spent + cost() + reserve > budget_s:
             skipped.append((candidate, f"budget: {spent:.0f} s of {budget_s:.0f} s spent, a candidate takes "
-                                       f"about {cost:.0f} s"))
+                                       f"about {cost():.0f} s"))
             log(f"{candidate.name}: skipped, {skipped[-1][1]}")
             return False
         return True
 
-    for candidate in singles:
-        if within_budget(candidate):
-            result = run(candidate)
-            measured.append((result, judge(baseline, result)))
-            log(f"{candidate.name}: {'wins' if measured[-1][1].wins else 'loses'} ({measured[-1][1].reason})")
+    def judged(candidate: Candidate) -> tuple[Measurement, Verdict]:
+        result = run(candidate)
+        measured.append((result, judge(baselines, result, slo)))
+        log(f"{candidate.name}: {measured[-1][1].decision} ({measured[-1][1].reason})")
+        return measured[-1]
+
+    # Room is kept for the plan's second run: without it no candidate can be judged.
+    singles_run = [run(c) for c in singles if within_budget(c, reserve=cost())]
+    if singles_run:
+        baselines.append(run(replace(PLAN, name="plan (again)", run=1)))
+    drift = _drift(baselines, slo)
+    noise = run_noise([run_bands(b, slo) for b in baselines])
+    for note in drift:
+        log(f"drift: {note}")
+    if len(baselines) > 1:
+        log(f"run-to-run noise beyond the requests' own, measured on the plan's two runs: {noise:.1%} "
+            "(standard deviation of log goodput); every band includes it")
+    for result in singles_run:
+        measured.append((result, judge(baselines, result, slo)))
+        log(f"{result.candidate.name}: {measured[-1][1].decision} ({measured[-1][1].reason})")
+    for single, verdict in list(measured):
+        best = verdict
+        following = single.candidate.next_value() if verdict.wins else None
+        while following is not None and within_budget(following):
+            _, verdict = judged(following)
+            if not (verdict.wins and verdict.score > best.score):
+                break
+            best, following = verdict, following.next_value()
     winners = _one_per_option([m for m, v in sorted(measured, key=lambda pair: -pair[1].score) if v.wins])
     if len(winners) > 1:
         flags = tuple(flag for m in winners for flag in m.candidate.flags)
         combined = Candidate(" + ".join(m.candidate.name for m in winners), flags,
                              "every single change that won, together (of two values of one flag, the better)")
         if within_budget(combined):
-            result = run(combined)
-            measured.append((result, judge(baseline, result)))
-            log(f"{combined.name}: {'wins' if measured[-1][1].wins else 'loses'} ({measured[-1][1].reason})")
-    best = max(((m, v) for m, v in measured if v.wins), key=lambda pair: pair[1].score, default=None)
-    return Outcome(baseline, measured, skipped, best[0] if best else baseline, reused)
+            judged(combined)
+    best_pair = max(((m, v) for m, v in measured if v.wins), key=lambda pair: pair[1].score, default=None)
+    return Outcome(baselines, measured, skipped, best_pair[0] if best_pair else baselines[0], reused, drift,
+                   noise)
+
+
+@dataclass(frozen=True)
+class Verification:
+    held: bool
+    reason: str
+    verdict: Verdict
+
+
+def verify(flags: Sequence[str], measure: Measure, slo: Slo, before: Measurement | None = None,
+           log: Callable[[str], None] = print) -> Verification:
+    """The applied flags measured again between two fresh runs of the plan (A/B/A; `before`, a run of the
+    plan just measured, stands for the first A): the gain held when they win again."""
+    tag = int(time.time())  # fresh measurements, never a stored one read back
+
+    def fresh(candidate: Candidate) -> Measurement:
+        log(f"verify: starting the engine with {' '.join(candidate.flags) or 'the plan alone'}")
+        return measure(replace(candidate, run=tag))
+
+    first = before or fresh(replace(PLAN, name="plan (verify, before)"))
+    applied = fresh(Candidate("applied (verify)", tuple(flags), "tuned.json's flags measured again"))
+    after = fresh(replace(PLAN, name="plan (verify, after)"))
+    for run in (first, after):
+        if run.error:
+            return Verification(False, f"the plan did not serve while verifying: {run.error}",
+                                Verdict("loses", 0.0, run.error))
+    verdict = judge([first, after], applied, slo)
+    held = verdict.wins
+    said = "the gain held" if held else "the gain did not hold"
+    return Verification(held, f"{said} when measured again between two runs of the plan: {verdict.reason}",
+                        verdict)
 
 
 def clock_label(seconds: float) -> str:
@@ -340,8 +338,16 @@ def _one_per_option(ranked: Sequence[Measurement]) -> list[Measurement]:
     return kept
 
 
+def _band_json(point: Point, band: Band, decision: str | None = None) -> dict[str, Any]:
+    return {"traffic": point[0], "concurrency": point[1], "goodput": round(band.value, 4),
+            "low": round(band.low, 4), "high": round(band.high, 4),
+            **({"decision": decision} if decision else {})}
+
+
 def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, Any]:
-    """tuned.json: the winner's flags, why each is there (measured), and every candidate's verdict."""
+    """tuned.json: the winner's flags, why each is there (measured), every candidate's verdict with its
+    bands, and whether the gain held when measured again (None until `verify` ran: serve applies the
+    flags only when it held)."""
     winner = outcome.winner
     verdicts = {m.candidate.name: v for m, v in outcome.measured}
     reasons = {}
@@ -350,66 +356,25 @@ def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, 
         for token in winner.candidate.flags:
             if token.startswith("--"):
                 reasons[token] = f"measured by kimi-service tune on this host ({workload.describe()}): {reason}"
+    baseline = measured_bands(outcome.baselines, workload.slo, outcome.noise)
     return {
         "key": key,
         "flags": list(winner.candidate.flags),
         "reasons": reasons,
         "winner": winner.candidate.name if winner is not outcome.baseline else "plan",
+        "gain_held": None,
+        "verification": None,
         "workload": asdict(workload),
-        "candidates": [{"name": m.candidate.name, "flags": list(m.candidate.flags), "wins": v.wins,
-                        "score": round(v.score, 4), "reason": v.reason, "start_s": round(m.start_s, 1)}
+        "rule": {"confidence": CONFIDENCE, "resamples": RESAMPLES, "floor": FLOOR},
+        "baseline": {"runs": len(outcome.baselines), "drift": outcome.drift, "run_noise": round(outcome.noise, 4),
+                     "points": [_band_json(point, band) for point, band in baseline.items()]},
+        "candidates": [{"name": m.candidate.name, "flags": list(m.candidate.flags), "decision": v.decision,
+                        "score": round(v.score, 4), "reason": v.reason, "start_s": round(m.start_s, 1),
+                        "points": [_band_json(p.point, p.candidate, p.decision) for p in v.points]}
                        for m, v in outcome.measured],
         "skipped": [{"name": c.name, "flags": list(c.flags), "reason": why} for c, why in outcome.skipped],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def _traffics(levels: Sequence[dict[str, Any]]) -> list[str]:
-    """The request shapes' labels in the order they were measured ("" alone for a workload of one shape)."""
-    return list(dict.fromkeys(level.get("traffic", "") for level in levels))
-
-
-def format_table(outcome: Outcome) -> str:
-    traffics = _traffics(outcome.baseline.levels)
-    levels = sorted({conc for _, conc in level_map(outcome.baseline.levels)})
-    width = max(len("traffic"), *map(len, traffics)) if traffics != [""] else 0
-    header = (f"{'candidate':<40} " + (f"{'traffic':<{width}} " if width else "")
-              + " ".join(f"{f'c={c} tok/s':>12} {'goodput':>8}" for c in levels) + "  verdict")
-    lines = [header, "-" * len(header)]
-    for m, verdict in [(outcome.baseline, None), *outcome.measured]:
-        by = level_map(m.levels)
-        said = "baseline" if verdict is None else ("WINS " if verdict.wins else "loses ") + verdict.reason
-        if m is outcome.winner:
-            said = "<- applied: " + said
-        for row, traffic in enumerate(traffics):
-            cells = " ".join(
-                f"{by[traffic, c]['output_tokens_per_s']:>12.1f} {by[traffic, c]['goodput_requests_per_s']:>8.2f}"
-                if (traffic, c) in by else f"{'-':>12} {'-':>8}" for c in levels)
-            name = m.candidate.name[:40] if row == 0 else ""
-            lines.append(f"{name:<40} " + (f"{traffic:<{width}} " if width else "") + cells
-                         + ("  " + said if row == 0 else ""))
-    for candidate, why in outcome.skipped:
-        lines.append(f"{candidate.name[:40]:<40} skipped: {why}")
-    return "\n".join(lines)
-
-
-def write_plot(outcome: Outcome, path: Path) -> None:
-    plt = pyplot("the plot")
-    traffics = _traffics(outcome.baseline.levels)
-    fig, axes = plt.subplots(1, len(traffics), figsize=(6 + 3 * len(traffics), 4), squeeze=False)
-    for axis, traffic in zip(axes[0], traffics, strict=True):
-        for m in [outcome.baseline, *(m for m, _ in outcome.measured)]:
-            by = {conc: level for (shape, conc), level in level_map(m.levels).items() if shape == traffic}
-            levels = sorted(by)
-            axis.plot(levels, [by[c]["goodput_requests_per_s"] for c in levels], marker="o",
-                      linewidth=2.5 if m is outcome.winner else 1, label=m.candidate.name[:40])
-        axis.set(xscale="log", xlabel="concurrency", ylabel="goodput (requests/s at the SLO)",
-                 title=f"kimi-service tune {traffic}".rstrip())
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 class EngineRun:
@@ -432,7 +397,7 @@ class EngineRun:
     def wait_serving(self, timeout: float) -> None:
         url = self.config.api.local_url
         deadline = time.monotonic() + timeout
-        with httpx.Client(base_url=url, timeout=5) as client:
+        with client_for(url, base_url=url, timeout=5) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     raise KimiError(f"the engine exited with {self.process.returncode} before serving "
@@ -471,9 +436,9 @@ def engine_measure(config: Config, workload: Workload, api_key: str | None, logs
                     report = bench.run_bench(bench.BenchSettings(
                         url=config.api.local_url, model=config.model.served_name, api_key=api_key,
                         concurrency=list(workload.concurrency), input_len=shape.input_len,
-                        output_len=shape.output_len, prompts=workload.prompts,
-                        shared_prefix_len=shape.shared_prefix_len, slo=workload.slo,
-                        tokenizer=str(config.model.path),
+                        output_len=shape.output_len, prompts=max(workload.prompts, MIN_REQUESTS),
+                        requests_per_client=REQUESTS_PER_CLIENT, shared_prefix_len=shape.shared_prefix_len,
+                        slo=workload.slo, tokenizer=str(config.model.path),
                     ), progress=False)
                     # One engine start serves every shape of a mix; a lone shape needs no label.
                     label = {"traffic": shape.label} if workload.more_shapes else {}
@@ -501,7 +466,7 @@ class Session:
         if candidate_specs:
             self.singles = operator_candidates(candidate_specs)
         else:
-            spec = inspect_model(str(config.model.path))
+            spec = inspect_model(str(config.model.path), config.model.origin)
             entry = catalog.get(spec.catalog_name) if spec.catalog_name else None
             draft = entry.speculative if entry else None
             self.singles = trial_candidates(
@@ -522,23 +487,53 @@ class Session:
             return f"{self.tuned_path}: measured for another model, engine, GPUs, workload or extra_args"
         return None
 
-    def run(self, api_key: str | None) -> Outcome:
+    def _log(self) -> Callable[[str], None]:
         started = time.monotonic()
 
         def log(message: str) -> None:
             print(f"[{clock_label(time.monotonic() - started)} of {self.budget_s / 60:.0f} min] {message}",
                   file=sys.stderr, flush=True)
 
+        return log
+
+    def run(self, api_key: str | None) -> Outcome:
+        """Search, then verify the winner while the budget lasts; write tuned.json and the report."""
+        started, log = time.monotonic(), self._log()
         log(f"tuning for {self.workload.describe()}; {len(self.singles)} candidate(s): "
             + ", ".join(c.name for c in self.singles))
         self.store.directory.mkdir(parents=True, exist_ok=True)  # the engines' logs go there
-        outcome = search(self.singles, engine_measure(self.config, self.workload, api_key, self.store.directory),
-                         self.store, self.budget_s, log=log)
+        measure = engine_measure(self.config, self.workload, api_key, self.store.directory)
+        outcome = search(self.singles, measure, self.store, self.budget_s, self.workload.slo, log=log)
         document = tuned_document(outcome, self.key, self.workload)
+        cost = max(m.total_s for m in [*outcome.baselines, *(m for m, _ in outcome.measured)])
+        if outcome.winner is not outcome.baseline:
+            if time.monotonic() - started + 2 * cost <= self.budget_s:
+                checked = verify(outcome.winner.candidate.flags, measure, self.workload.slo,
+                                 before=outcome.baselines[-1], log=log)
+                document.update(gain_held=checked.held, verification=checked.reason)
+            else:
+                document["verification"] = ("not measured again within the budget: serve applies nothing until "
+                                            "kimi-service tune --verify finds the gain held")
+            log(document["verification"])
         write_atomic(self.tuned_path, json.dumps(document, indent=2) + "\n", mode=0o644)
-        (self.store.directory / "report.txt").write_text(format_table(outcome) + "\n")
+        (self.store.directory / "report.txt").write_text(format_table(outcome, self.workload.slo) + "\n")
         try:
-            write_plot(outcome, self.store.directory / "tune.png")
+            write_plot(outcome, self.store.directory / "tune.png", self.workload.slo)
         except KimiError as exc:
             log(f"no plot: {exc}")
         return outcome
+
+    def verify(self, api_key: str | None) -> dict[str, Any]:
+        """`tune --verify`: tuned.json's flags against two fresh runs of the plan (A/B/A); the file records
+        whether the gain held, and serve applies the flags only when it did."""
+        tuned = read_tuned(self.tuned_path)
+        if tuned is None or tuned.get("key") != self.key:
+            raise UsageError(f"--verify: {self.stale()}; run kimi-service tune first")
+        if not tuned["flags"]:
+            raise UsageError(f"--verify: {self.tuned_path} applies nothing (the plan won): nothing to verify")
+        self.store.directory.mkdir(parents=True, exist_ok=True)
+        checked = verify(tuned["flags"], engine_measure(self.config, self.workload, api_key, self.store.directory),
+                         self.workload.slo, log=self._log())
+        tuned.update(gain_held=checked.held, verification=checked.reason)
+        write_atomic(self.tuned_path, json.dumps(tuned, indent=2) + "\n", mode=0o644)
+        return tuned

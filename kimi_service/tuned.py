@@ -16,9 +16,13 @@ from typing import Any
 
 from kimi_service import bench
 from kimi_service.config import Config
-from kimi_service.engine_flags import option_name
+from kimi_service.engine_flags import check_extra_args, option_name
+from kimi_service.untrusted import UntrustedInput, read_json
 
 TUNED_FILE = "tuned.json"
+# vLLM's goodput terms (`vllm bench serve --goodput ttft:1000 tpot:100 e2el:30000`): a first token within a
+# second, ten tokens a second after it, the whole answer within half a minute.
+DEFAULT_SLO = "ttft=1,tpot=0.1,e2el=30"
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class Shape:
     @classmethod
     def parse(cls, text: str) -> Shape:
         """`IN/OUT` or `IN/OUT+PREFIX`, e.g. `8192/256` or `512/128+2000`."""
-        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*(?:\+\s*(\d+))?\s*", text)
+        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*(?:\+\s*(\d+))?\s*", text, re.ASCII)
         if not found or int(found.group(1)) < 1 or int(found.group(2)) < 1:
             raise ValueError(f"expected IN/OUT or IN/OUT+PREFIX tokens, like 8192/256 or 512/128+2000; got {text!r}")
         return cls(int(found.group(1)), int(found.group(2)), int(found.group(3) or 0))
@@ -52,7 +56,7 @@ class Workload:
     output_len: int = 128
     prompts: int = 32
     shared_prefix_len: int = 0
-    slo: bench.Slo = field(default_factory=lambda: bench.Slo(ttft=1.0, itl=0.1))
+    slo: bench.Slo = field(default_factory=lambda: bench.Slo.parse(DEFAULT_SLO))
     more_shapes: tuple[Shape, ...] = ()
 
     @classmethod
@@ -70,7 +74,7 @@ class Workload:
             return f"{shape.input_len} tokens in{prefix}, {shape.output_len} out"
 
         return (f"{'; '.join(one(shape) for shape in self.shapes)}, concurrency "
-                f"{','.join(map(str, self.concurrency))}, SLO TTFT <= {self.slo.ttft} s, ITL <= {self.slo.itl} s")
+                f"{','.join(map(str, self.concurrency))}, SLO {self.slo.describe()}")
 
 
 def configuration_key(config: Config, workload: Workload, *, vllm_version: str, hardware: str) -> str:
@@ -84,9 +88,11 @@ def configuration_key(config: Config, workload: Workload, *, vllm_version: str, 
 
 
 def read_tuned(path: Path) -> dict[str, Any] | None:
+    """The file as tune wrote it, or None: it lives in the service user's state dir, so it is read as
+    untrusted input (bounded, shallow, finite) and held to the rules the operator's extra_args are."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json(path)
+    except (OSError, UntrustedInput):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("flags"), list) else None
 
@@ -98,11 +104,21 @@ def tuned_flags(tuned: dict[str, Any], config: Config, *, vllm_version: str,
     try:
         key = configuration_key(config, Workload.from_json(tuned["workload"]), vllm_version=vllm_version,
                                 hardware=hardware)
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return [], f"{TUNED_FILE} is not one kimi-service tune wrote; its flags are not applied"
+    if not all(isinstance(token, str) for token in tuned["flags"]):
+        return [], f"{TUNED_FILE} is not one kimi-service tune wrote; its flags are not applied"
+    try:
+        check_extra_args(tuple(tuned["flags"]), TUNED_FILE)
+    except ValueError as exc:
+        return [], f"{exc}; its flags are not applied"
     if key != tuned.get("key"):
         return [], (f"{TUNED_FILE} ({tuned.get('winner')}) was measured for another model, engine, GPUs, workload "
                     "or extra_args; its flags are not applied: run kimi-service tune again")
+    if tuned["flags"] and tuned.get("gain_held") is not True:
+        return [], (f"{TUNED_FILE} ({tuned.get('winner')}): its gain has not held when measured again "
+                    f"({tuned.get('verification') or 'not measured again'}); its flags are not applied: run "
+                    "kimi-service tune --verify")
     operator = {option_name(token) for token in config.plan.extra_args if token.startswith("-")}
     flags: list[str] = []
     keep = False

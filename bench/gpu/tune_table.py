@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-# The tuner's own floor and goodput ratio hold against vLLM's defaults too.
-from kimi_service.tune import FLOOR, goodput_ratio, level_map
+# The tuner's own floor, bands and goodput ratio hold against vLLM's defaults too.
+from kimi_service.tune_stats import FLOOR, Band, goodput_band, goodput_ratio, level_map
 from kimi_service.tuned import Shape, Workload
 
 TARGET = 1.25  # tuned must be this much better in goodput on at least one workload
@@ -38,7 +39,8 @@ def load_measurements(directory: Path) -> dict[tuple[str, ...], dict[tuple[str, 
     found = {}
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
-        found[tuple(data["candidate"]["flags"])] = level_map(data["levels"])
+        if not data["candidate"].get("run"):  # the plan's later runs and verifications stand beside these
+            found[tuple(data["candidate"]["flags"])] = level_map(data["levels"])
     return found
 
 
@@ -54,17 +56,21 @@ def rows(tuned: dict[str, Any], measurements: dict, defaults: dict) -> list[dict
     first = Workload.from_json(tuned["workload"]).shapes[0]
     plan, winner = ({(shape or first.label, conc): level for (shape, conc), level in levels.items()}
                     for levels in (plan, winner))
+    slo = Workload.from_json(tuned["workload"]).slo
     table = []
     for point in winner:
         default = defaults.get(point)
         row = {"shape": point[0], "concurrency": point[1]}
+        bands: dict[str, Band] = {}
         for name, level in (("defaults", default), ("plan", plan.get(point)), ("tuned", winner[point])):
             row[f"{name}_tok_s"] = level["output_tokens_per_s"] if level else None
-            row[f"{name}_goodput"] = level["goodput_requests_per_s"] if level else None
+            if level:
+                bands[name] = goodput_band(level, slo, seed=0)
+            row[f"{name}_goodput"] = asdict(bands[name]) if level else None
         if default:
             row["tok_s_ratio"] = _ratio(row["tuned_tok_s"], row["defaults_tok_s"])
-            row["goodput_ratio"] = _ratio(row["tuned_goodput"], row["defaults_goodput"])
-            row["goodput_gain"] = goodput_ratio(default, winner[point])
+            row["goodput_ratio"] = _ratio(bands["tuned"].value, bands["defaults"].value)
+            row["goodput_gain"] = goodput_ratio(bands["defaults"], bands["tuned"])
         else:
             row["tok_s_ratio"] = row["goodput_ratio"] = row["goodput_gain"] = None
         table.append(row)
@@ -96,21 +102,24 @@ def render(tuned: dict[str, Any], table: list[dict[str, Any]], verdict: dict[str
         out.append(f"- `{flag}`: {why}")
     out += ["", "| candidate | flags | verdict |", "| --- | --- | --- |"]
     for candidate in tuned.get("candidates", []):
-        said = ("wins: " if candidate["wins"] else "loses: ") + candidate["reason"]
+        said = f"{candidate['decision']}: {candidate['reason']}"
         out.append(f"| {candidate['name']} | `{' '.join(candidate['flags'])}` | {said} |")
     for skipped in tuned.get("skipped", []):
         out.append(f"| {skipped['name']} | `{' '.join(skipped['flags'])}` | skipped: {skipped['reason']} |")
     out += ["", "| shape | conc | vLLM defaults tok/s | plan tok/s | tuned tok/s | tuned / defaults tok/s "
-                "| defaults goodput | plan goodput | tuned goodput | tuned / defaults goodput |",
+                "| defaults goodput [band] | plan goodput [band] | tuned goodput [band] | tuned / defaults goodput |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def fmt(value: float | None, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
+    def band(found: dict[str, float] | None) -> str:
+        return "-" if found is None else f"{found['value']:.2f} [{found['low']:.2f}, {found['high']:.2f}]"
+
     for row in table:
         out.append(f"| {row['shape']} | {row['concurrency']} | {fmt(row['defaults_tok_s'], 0)} "
                    f"| {fmt(row['plan_tok_s'], 0)} | {fmt(row['tuned_tok_s'], 0)} | {fmt(row['tok_s_ratio'])} "
-                   f"| {fmt(row['defaults_goodput'])} | {fmt(row['plan_goodput'])} | {fmt(row['tuned_goodput'])} "
+                   f"| {band(row['defaults_goodput'])} | {band(row['plan_goodput'])} | {band(row['tuned_goodput'])} "
                    f"| {fmt(row['goodput_ratio'])} |")
     gains = ", ".join(f"{shape} {gain:.2f}x" for shape, gain in verdict["goodput_gain_by_shape"].items())
     if all(row["defaults_tok_s"] is None for row in table):

@@ -2,7 +2,8 @@
 swept by bench, stopped; a candidate that loses is never applied; the budget; resume; serve applying a
 winner only where it was measured.
 
-Two engine starts in all (the plan, and a candidate whose context is shorter than every prompt); later
+Three engine starts in all (the plan, a candidate whose context is shorter than every prompt, the plan
+again); later
 runs read the measurements back. Speeds on two shared cores are noise: even a batch cap of one, serving
 four clients one at a time, measured ahead of the plan in one run (batching buys little on a CPU), so no
 test depends on a speed difference. The losing candidate starts, serves, and has every request refused.
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kimi_service.tune import Candidate
+from kimi_service.tune_stats import Candidate
 from tests.engine.serving import write_config
 from tests.support.engine import REPO_ROOT
 from tests.support.ports import free_port
@@ -72,11 +73,11 @@ def test_a_candidate_that_loses_is_measured_and_never_applied(tuner: Tuner, firs
     tuned = tuner.tuned
     assert tuned["winner"] == "plan" and tuned["flags"] == [] and tuned["reasons"] == {}
     (loser,) = tuned["candidates"]
-    assert loser["flags"] == LOSER.split() and not loser["wins"]
+    assert loser["flags"] == LOSER.split() and loser["decision"] == "loses"
     assert "HTTP 400" in loser["reason"], loser
     assert "starting the engine with --max-model-len 32" in first.stderr
     rows = [line for line in first.stdout.splitlines() if line.startswith(("plan", LOSER))]
-    assert rows[0].endswith("<- applied: baseline") and "loses" in rows[1], first.stdout
+    assert "<- applied: baseline" in rows[0] and "LOSES" in rows[1], first.stdout
     table = first.stdout.splitlines()
     plan_row = next(i for i, line in enumerate(table) if line.startswith("plan"))
     assert "32/16" in table[plan_row] and "16/8+32" in table[plan_row + 1], first.stdout
@@ -89,7 +90,7 @@ def test_a_candidate_that_loses_is_measured_and_never_applied(tuner: Tuner, firs
     assert "applied: the plan alone (nothing beat it)" in first.stdout
     report = tuner.state_dir / "tune" / tuned["key"]
     assert (report / "report.txt").read_text().strip() in first.stdout
-    assert len(list(report.glob("*.log"))) == 2  # one engine log per candidate
+    assert len(list(report.glob("*.log"))) == 3  # one engine log per start: the plan, the candidate, the plan again
     assert tuner.tune("--status").returncode == 0
 
 
@@ -97,7 +98,7 @@ def test_a_rerun_resumes_and_the_budget_skips_what_would_overrun_it(tuner: Tuner
     again = tuner.tune("--budget", "10m", "--candidate", LOSER)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "starting the engine" not in again.stderr
-    assert again.stderr.count("measured earlier") == 2
+    assert again.stderr.count("measured earlier") == 3
     tight = tuner.tune("--budget", "1s", "--candidate", "--max-num-seqs 2")
     assert tight.returncode == 0, tight.stderr[-3000:]
     assert "starting the engine" not in tight.stderr  # the plan is read back, the new candidate is not run
@@ -107,7 +108,7 @@ def test_a_rerun_resumes_and_the_budget_skips_what_would_overrun_it(tuner: Tuner
 
 def test_serve_runs_a_measured_winner_and_ignores_one_measured_elsewhere(tuner: Tuner, first) -> None:
     # As a win would leave it: the file tune wrote, with a winner's flags and reason.
-    tuned = {**tuner.tuned, "winner": "max-num-seqs 3", "flags": ["--max-num-seqs", "3"],
+    tuned = {**tuner.tuned, "winner": "max-num-seqs 3", "flags": ["--max-num-seqs", "3"], "gain_held": True,
              "reasons": {"--max-num-seqs": "measured by kimi-service tune on this host: 1.30x"}}
     (tuner.state_dir / "tuned.json").write_text(json.dumps(tuned))
     check = tuner.run("serve", "--check")

@@ -22,11 +22,11 @@ from kimi_service.bench import (
     RequestResult,
     Slo,
     arrival_gaps,
-    format_table,
     percentile,
     run_open_level,
     summarize,
 )
+from kimi_service.bench_report import format_table
 from kimi_service.errors import UsageError
 
 

@@ -1,11 +1,14 @@
-"""The tuner's rules without an engine: who wins, what is never applied, the budget, resume, the key serve
-checks. tests/engine/test_tune.py runs the same search against the real CPU engine."""
+"""The tuner's rules without an engine: the goodput bands and the decision they drive (simulated requests,
+seeded), the search, the budget, resume, verification, the key serve checks. tests/engine/test_tune.py
+runs the same search against the real CPU engine."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -15,128 +18,225 @@ from kimi_service import bench, catalog
 from kimi_service.config import parse_config
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.tune import (
-    Candidate,
-    Measurement,
     Store,
     clock_label,
-    format_table,
-    judge,
     operator_candidates,
     parse_duration,
     search,
     trial_candidates,
     tuned_document,
+    verify,
 )
+from kimi_service.tune_report import format_table
+from kimi_service.tune_stats import Band, Candidate, Measurement, decide, goodput_band, judge
 from kimi_service.tuned import Shape, Workload, configuration_key, tuned_flags
 
-BASELINE = {1: (100.0, 1.0), 16: (1000.0, 8.0), 64: (2000.0, 10.0)}  # concurrency: (tokens/s, goodput)
+SLO = bench.Slo(tpot=0.05)
+SHAPES, LEVELS = ("512/128", "8192/256"), (16, 64)
 
 
-def levels(points: dict[int, tuple[float, float]], errors: int = 0) -> list[dict]:
-    """Each level 1,000 output tokens long, as bench's levels of one request shape are."""
-    return [{"concurrency": c, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": errors,
-             "duration_s": 1000 / tok, "requests": 32} for c, (tok, good) in points.items()]
+class Engine:
+    """Stands for vLLM at the one boundary the statistics need: per-request outcomes. A request's latency
+    is lognormal (`request_noise`) around a median that a candidate's true effect divides at each point
+    and a whole run's drift multiplies (`run_noise`); it meets the SLO when its TPOT is within the bound
+    (4/5 of the bound at the median: about 77% meet it). A closed loop's duration is its summed latency
+    over the clients."""
+
+    def __init__(self, seed: int, request_noise: float = 0.3, run_noise: float = 0.02):
+        self.rng, self.request_noise, self.run_noise = random.Random(seed), request_noise, run_noise
+
+    def level(self, shape: str, concurrency: int, effect: float = 1.0, errors: int = 0) -> dict:
+        drift = self.rng.lognormvariate(0, self.run_noise)
+        outcomes = []
+        for _ in range(max(64, 4 * concurrency)):
+            slow = self.rng.lognormvariate(0, self.request_noise) * drift / effect
+            outcomes.append({"ok": True, "ttft": 0.05 * slow, "tpot": 0.04 * slow, "e2e": 5.0 * slow,
+                             "max_itl": 0.04 * slow})
+        for outcome in outcomes[:errors]:
+            outcome["ok"] = False
+        duration = sum(o["e2e"] for o in outcomes) / concurrency
+        return {"traffic": shape, "concurrency": concurrency, "requests": len(outcomes), "errors": errors,
+                "duration_s": duration, "output_tokens_per_s": 128 * len(outcomes) / duration,
+                "goodput_requests_per_s": sum(SLO.met_by_outcome(o) for o in outcomes) / duration,
+                "outcomes": outcomes}
+
+    def run(self, candidate: Candidate, effects: dict | None = None, errors: int = 0) -> Measurement:
+        effects = effects or {}
+        return Measurement(candidate, [self.level(s, c, effects.get((s, c), 1.0), errors)
+                                       for s in SHAPES for c in LEVELS], 10.0, 30.0)
 
 
-def measured(name: str, points: dict[int, tuple[float, float]], flags: tuple[str, ...] = (), **kw) -> Measurement:
-    return Measurement(Candidate(name, flags or (f"--{name}",), "test"), levels(points), 10.0, 30.0, **kw)
+PLAN, AGAIN = Candidate("plan", (), ""), Candidate("plan (again)", (), "", run=1)
+X = Candidate("x", ("--x",), "")
 
 
-def scaled(by: dict[int, float]) -> dict[int, tuple[float, float]]:
-    return {c: (tok * by.get(c, 1.0), good * by.get(c, 1.0)) for c, (tok, good) in BASELINE.items()}
+def decisions(effects: dict, runs: int = 100) -> Counter:
+    """How the decision falls over seeded runs: the plan, the candidate, the plan again."""
+    found = Counter()
+    for seed in range(runs):
+        engine = Engine(seed)
+        first, candidate, again = engine.run(PLAN), engine.run(X, effects), engine.run(AGAIN)
+        found[judge([first, again], candidate, SLO).decision] += 1
+    return found
 
 
-BASE = measured("plan", BASELINE, flags=("",))
+def test_two_identical_configurations_are_the_same_in_at_least_95_of_100_runs():
+    found = decisions({})
+    assert found["same"] >= 95, found
 
 
-def test_a_candidate_that_loses_anywhere_never_wins_however_much_it_gains_elsewhere():
-    verdict = judge(BASE, measured("cap", scaled({1: 1.6, 16: 1.5, 64: 0.5})))
-    assert not verdict.wins and "0.50x the baseline at concurrency 64" in verdict.reason
-    slightly = judge(BASE, measured("near", scaled({1: 1.5, 64: 0.97})))
-    assert not slightly.wins and "concurrency 64" in slightly.reason
-    assert judge(BASE, measured("ok", scaled({1: 1.5, 64: 0.985}))).wins
+def test_a_true_gain_of_1_3x_on_one_shape_wins_in_at_least_90_of_100_runs():
+    found = decisions({("8192/256", c): 1.3 for c in LEVELS})
+    assert found["wins"] >= 90, found
+
+
+def test_a_true_loss_of_10_percent_at_one_point_is_applied_in_none_of_100_runs():
+    found = decisions({("512/128", 16): 0.9})
+    assert found["wins"] == 0, found
+
+
+def test_a_band_covers_its_point_and_narrows_with_more_requests():
+    engine = Engine(1)
+    few, many = engine.level("512/128", 1), engine.level("512/128", 64)
+    narrow, wide = goodput_band(many, SLO, seed=0), goodput_band(few, SLO, seed=0)
+    for band in (narrow, wide):
+        assert band.low < band.value < band.high
+    assert (narrow.high - narrow.low) / narrow.value < (wide.high - wide.low) / wide.value
+    assert goodput_band(many, SLO, seed=0) == narrow  # seeded: the same requests give the same band
+
+
+def test_the_rule_wins_only_above_the_band_and_loses_only_below_the_floor_of_it():
+
+    base = Band(10.0, 9.0, 11.0, 10.0)
+    assert decide(base, Band(12.0, 11.1, 13.0, 10.0)) == "wins"
+    assert decide(base, Band(12.0, 10.9, 13.0, 10.0)) == "same"
+    assert decide(base, Band(8.0, 7.0, 8.8, 10.0)) == "loses"  # below 0.98 x 9.0 = 8.82
+    assert decide(base, Band(8.0, 7.0, 8.85, 10.0)) == "same"
+
+
+def test_the_noise_the_plan_shows_between_its_runs_widens_every_band():
+    quiet = Engine(3, run_noise=0.0)
+    first, again = quiet.run(PLAN), quiet.run(AGAIN)
+    gain = {(s, c): 1.15 for s in SHAPES for c in LEVELS}
+    candidate = quiet.run(X, gain)
+    calm = judge([first, again], candidate, SLO)
+    # The plan's second run drifted 25% at every point: the same candidate no longer shows a win.
+    drifted = Measurement(AGAIN, [{**level, "duration_s": level["duration_s"] * 1.25} for level in again.levels],
+                          10.0, 30.0)
+    noisy = judge([first, drifted], candidate, SLO)
+    widths = [(p.candidate.high - p.candidate.low) for p in calm.points]
+    assert all(w < (p.candidate.high - p.candidate.low) for w, p in zip(widths, noisy.points, strict=True))
+    assert calm.wins and not noisy.wins
 
 
 def test_failed_requests_or_a_failed_start_lose():
-    assert not judge(BASE, Measurement(Candidate("x", ("--x",), ""), levels(scaled({1: 2}), errors=1), 1, 1)).wins
-    broken = judge(BASE, Measurement(Candidate("x", ("--x",), ""), [], 1, 1, error="exited 1"))
-    assert not broken.wins and "exited 1" in broken.reason
+    engine = Engine(2)
+    base = [engine.run(PLAN), engine.run(AGAIN)]
+    failed = judge(base, engine.run(X, {(s, c): 2.0 for s in SHAPES for c in LEVELS}, errors=1), SLO)
+    assert failed.decision == "loses" and "failed request" in failed.reason
+    broken = judge(base, Measurement(X, [], 1, 1, error="exited 1"), SLO)
+    assert broken.decision == "loses" and "exited 1" in broken.reason
+    partial = Measurement(X, [level for level in engine.run(X).levels if level["traffic"] == "512/128"], 1, 1)
+    assert judge(base, partial, SLO).decision == "loses"  # measured without the second shape: not comparable
 
 
-def test_within_noise_is_not_a_win_and_the_reason_names_the_gain():
-    assert not judge(BASE, measured("same", scaled({16: 1.01}))).wins
-    verdict = judge(BASE, measured("better", scaled({16: 1.5})))
-    # Goodput at 16 clients: 8 req/s over 1 s (8 requests in the SLO); 12 over 1/1.5 s (8 too), each given
-    # half a request more.
-    at_16 = (12 + 0.5 * 1.5) / (8 + 0.5)
-    assert verdict.wins and verdict.score == pytest.approx(at_16 ** (1 / 3))
-    assert f"{at_16:.2f}x at concurrency 16" in verdict.reason
-
-
-def test_without_any_request_in_the_slo_throughput_decides():
-    base = measured("plan", {1: (100.0, 0.0), 16: (1000.0, 0.0)})
-    verdict = judge(base, measured("x", {1: (150.0, 0.0), 16: (1000.0, 0.0)}))
-    assert verdict.wins and verdict.score == pytest.approx(1.5 ** (1 / 2))
-    assert "1.50x at concurrency 1 (0 of 32 requests in the SLO -> 0 of 32" in verdict.reason
+def test_a_clear_loss_loses_and_the_reason_names_the_point_and_its_bands():
+    engine = Engine(4)
+    verdict = judge([engine.run(PLAN), engine.run(AGAIN)], engine.run(X, {("8192/256", 64): 0.5}), SLO)
+    assert verdict.decision == "loses"
+    assert "at concurrency 64 of 8192/256 (goodput" in verdict.reason and "against the baseline's" in verdict.reason
 
 
 def test_bringing_requests_into_an_slo_the_baseline_met_with_none_wins():
-    # Long prompts at 16 clients: the baseline's prefill chunks stall every decode past the ITL bound.
-    base = measured("plan", {1: (100.0, 1.0), 16: (1000.0, 0.0)})
-    verdict = judge(base, measured("short-chunks", {1: (99.0, 0.99), 16: (990.0, 5.0)}))
-    assert verdict.wins and "at concurrency 16 (0 of 32 requests in the SLO -> 5 of 32" in verdict.reason
-    assert not judge(base, measured("same", {1: (99.0, 0.99), 16: (990.0, 0.0)})).wins
+    engine = Engine(5)
+    strict = bench.Slo(tpot=0.01)  # no request of the plan's within it
+    base = [engine.run(PLAN), engine.run(AGAIN)]
+    verdict = judge(base, engine.run(X, {("512/128", 64): 5.0}), strict)
+    point = next(p for p in verdict.points if p.point == ("512/128", 64))
+    assert point.baseline.value == 0 and point.candidate.value > 0 and verdict.wins
 
 
 class Bench:
-    """Stands for the engine: each candidate's levels by name; counts the starts."""
+    """Stands for the engine in the search: each candidate's true effects by name; counts the starts."""
 
-    def __init__(self, results: dict[str, dict[int, tuple[float, float]]], cost: float = 30.0):
-        self.results, self.cost, self.started, self.now = results, cost, [], 0.0
+    def __init__(self, effects: dict[str, dict], cost: float = 30.0, seed: int = 0):
+        self.effects, self.cost, self.started, self.now = effects, cost, [], 0.0
+        self.engine = Engine(seed)
 
     def measure(self, candidate: Candidate) -> Measurement:
         self.started.append(candidate.name)
         self.now += self.cost
-        return Measurement(candidate, levels(self.results[candidate.name]), 10.0, self.cost)
+        return replace(self.engine.run(candidate, self.effects.get(candidate.name, {})), total_s=self.cost)
+
+
+def everywhere(by: float) -> dict:
+    return {(s, c): by for s in SHAPES for c in LEVELS}
 
 
 SINGLES = [Candidate("seqs", ("--max-num-seqs", "64"), ""), Candidate("cap", ("--max-num-seqs", "8"), ""),
            Candidate("async", ("--async-scheduling",), "")]
-RESULTS = {"plan": BASELINE, "seqs": scaled({64: 1.2}), "cap": scaled({1: 1.3, 64: 0.4}),
-           "async": scaled({16: 1.1}), "seqs + async": scaled({16: 1.1, 64: 1.25})}
+EFFECTS = {"seqs": {("8192/256", 64): 1.6}, "cap": {("512/128", 16): 1.6, ("512/128", 64): 0.4},
+           "async": {("512/128", 64): 1.5}, "seqs + async": {("8192/256", 64): 1.6, ("512/128", 64): 1.6}}
 
 
-def test_search_measures_each_then_the_winners_together_and_applies_the_best(tmp_path: Path):
-    engine = Bench(RESULTS)
-    outcome = search(SINGLES, engine.measure, Store(tmp_path, "k"), 3600, log=lambda _: None,
-                     clock=lambda: engine.now)
-    assert engine.started == ["plan", "seqs", "cap", "async", "seqs + async"]
+def quiet(_: str) -> None:
+    pass
+
+
+def test_search_measures_the_plan_twice_around_the_singles_then_the_winners_together(tmp_path: Path):
+    engine = Bench(EFFECTS)
+    outcome = search(SINGLES, engine.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: engine.now)
+    assert engine.started == ["plan", "seqs", "cap", "async", "plan (again)", "seqs + async"]
     assert outcome.winner.candidate.flags == ("--max-num-seqs", "64", "--async-scheduling")
-    document = tuned_document(outcome, "k", Workload())
-    assert document["flags"] == ["--max-num-seqs", "64", "--async-scheduling"]
+    document = tuned_document(outcome, "k", Workload(slo=SLO))
+    assert document["flags"] == ["--max-num-seqs", "64", "--async-scheduling"] and document["gain_held"] is None
     assert set(document["reasons"]) == {"--max-num-seqs", "--async-scheduling"}
-    assert "measured by kimi-service tune" in document["reasons"]["--max-num-seqs"]
+    assert document["baseline"]["runs"] == 2 and len(document["baseline"]["points"]) == 4
     cap = next(c for c in document["candidates"] if c["name"] == "cap")
-    assert not cap["wins"] and "concurrency 64" in cap["reason"]
+    assert cap["decision"] == "loses" and "concurrency 64 of 512/128" in cap["reason"]
+    assert all(p["low"] <= p["goodput"] <= p["high"] for p in cap["points"])
+    table = format_table(outcome, SLO)
+    assert "[" in table.splitlines()[2] and "baseline (goodput pooled over its 2 runs)" in table
+    assert "WINS:" in table and "LOSES:" in table and "run-to-run noise" in table
 
 
-def test_nothing_that_lost_is_applied_when_nothing_won(tmp_path: Path):
-    engine = Bench({**RESULTS, "seqs": scaled({64: 0.9}), "async": scaled({16: 1.0})})
-    outcome = search(SINGLES, engine.measure, Store(tmp_path, "k"), 3600, log=lambda _: None,
-                     clock=lambda: engine.now)
+def test_a_winning_value_is_followed_by_the_next_while_it_keeps_winning(tmp_path: Path):
+    singles = [Candidate("max-num-seqs 128", ("--max-num-seqs", "128"), "", step=2)]
+    engine = Bench({"max-num-seqs 128": everywhere(1.4), "max-num-seqs 256": everywhere(1.8),
+                    "max-num-seqs 512": everywhere(1.0)})
+    outcome = search(singles, engine.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: engine.now)
+    assert engine.started == ["plan", "max-num-seqs 128", "plan (again)", "max-num-seqs 256", "max-num-seqs 512"]
+    assert outcome.winner.candidate.flags == ("--max-num-seqs", "256")
+
+
+def test_nothing_is_applied_when_nothing_won(tmp_path: Path):
+    engine = Bench({"seqs": {("8192/256", 64): 0.8}})
+    outcome = search(SINGLES, engine.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: engine.now)
     assert outcome.winner is outcome.baseline
-    assert tuned_document(outcome, "k", Workload())["flags"] == []
+    document = tuned_document(outcome, "k", Workload(slo=SLO))
+    assert document["flags"] == [] and {c["decision"] for c in document["candidates"]} <= {"same", "loses"}
 
 
-def test_the_budget_stops_before_a_candidate_that_would_overrun_and_a_rerun_resumes(tmp_path: Path):
-    engine = Bench(RESULTS, cost=30.0)
-    first = search(SINGLES, engine.measure, Store(tmp_path, "k"), 70, log=lambda _: None, clock=lambda: engine.now)
-    assert engine.started == ["plan", "seqs"]  # 60 s spent; a third 30 s candidate would pass 70 s
+def test_the_budget_keeps_room_for_the_plans_second_run_and_a_rerun_resumes(tmp_path: Path):
+    engine = Bench(EFFECTS, cost=30.0)
+    first = search(SINGLES, engine.measure, Store(tmp_path, "k"), 100, SLO, log=quiet, clock=lambda: engine.now)
+    # 30 s spent; a single (30 s) and the plan again (30 s) fit in 100 s; a second single would not.
+    assert engine.started == ["plan", "seqs", "plan (again)"]
     assert [c.name for c, _ in first.skipped] == ["cap", "async"] and "budget" in first.skipped[0][1]
-    again = Bench(RESULTS, cost=30.0)
-    second = search(SINGLES, again.measure, Store(tmp_path, "k"), 3600, log=lambda _: None, clock=lambda: again.now)
-    assert again.started == ["cap", "async", "seqs + async"]  # plan and seqs read back, not measured again
-    assert second.reused == 2 and second.winner.candidate.name == "seqs + async"
+    again = Bench(EFFECTS, cost=30.0)
+    second = search(SINGLES, again.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: again.now)
+    assert again.started == ["cap", "async", "seqs + async"]  # the plan's runs and seqs read back
+    assert second.reused == 3 and second.winner.candidate.name == "seqs + async"
+
+
+def test_verification_measures_the_flags_between_two_fresh_runs_of_the_plan():
+    held = Bench({"applied (verify)": everywhere(1.5)})
+    result = verify(["--max-num-seqs", "64"], held.measure, SLO, log=quiet)
+    assert held.started == ["plan (verify, before)", "applied (verify)", "plan (verify, after)"]
+    assert result.held and "the gain held" in result.reason
+    gone = Bench({}, seed=7)
+    result = verify(["--max-num-seqs", "64"], gone.measure, SLO, log=quiet)
+    assert not result.held and "did not hold" in result.reason
 
 
 def test_looking_at_the_store_creates_nothing(tmp_path: Path):
@@ -149,7 +249,7 @@ def test_a_plan_that_does_not_serve_stops_the_search(tmp_path: Path):
         return Measurement(candidate, [], 1, 1, error="the engine exited with 1")
 
     with pytest.raises(KimiError, match="nothing to compare"):
-        search(SINGLES, broken, Store(tmp_path, "k"), 3600, log=lambda _: None)
+        search(SINGLES, broken, Store(tmp_path, "k"), 3600, SLO, log=quiet)
 
 
 def test_trial_candidates_follow_the_workload_and_the_gpu():
@@ -197,8 +297,12 @@ def test_serve_applies_a_winner_only_where_it_was_measured(tmp_path: Path):
     config, traffic = _config(tmp_path), Workload()
     tuned = {"key": configuration_key(config, traffic, **plan), "workload": json.loads(json.dumps(
         {**traffic.__dict__, "slo": traffic.slo.__dict__})), "winner": "seqs",
-        "flags": ["--max-num-seqs", "64", "--async-scheduling"]}
+        "flags": ["--max-num-seqs", "64", "--async-scheduling"], "gain_held": True}
     assert tuned_flags(tuned, config, **plan) == (["--max-num-seqs", "64", "--async-scheduling"], None)
+    # A gain not measured again, or one that did not hold when it was, is not applied.
+    for held in (None, False):
+        flags, why = tuned_flags({**tuned, "gain_held": held}, config, **plan)
+        assert flags == [] and "kimi-service tune --verify" in why
     # The operator's own flag wins over the measured one.
     operator = _config(tmp_path, ["--max-num-seqs", "16"])
     tuned_for_operator = {**tuned, "key": configuration_key(operator, traffic, **plan)}
@@ -215,34 +319,6 @@ def test_the_slo_round_trips_through_tuned_json():
     traffic = Workload(concurrency=(1, 4), slo=bench.Slo(ttft=2.0, itl=0.05))
     document = {**traffic.__dict__, "slo": traffic.slo.__dict__, "concurrency": list(traffic.concurrency)}
     assert Workload.from_json(json.loads(json.dumps(document))) == traffic
-
-
-def mix(points: dict[str, dict[int, tuple[float, float]]]) -> list[dict]:
-    return [{**level, "traffic": shape} for shape, by in points.items() for level in levels(by)]
-
-
-def test_in_a_mix_a_loss_on_one_shape_loses_and_the_reason_names_the_shape():
-    base = Measurement(Candidate("plan", (), ""), mix({"512/128": BASELINE, "8192/256": BASELINE}), 10, 30)
-    long_loses = Measurement(Candidate("c", ("--c",), ""),
-                             mix({"512/128": scaled({1: 1.5, 16: 1.5, 64: 1.5}), "8192/256": scaled({16: 0.9})}), 1, 1)
-    verdict = judge(base, long_loses)
-    assert not verdict.wins and "0.90x the baseline at concurrency 16 of 8192/256" in verdict.reason
-    long_wins = Measurement(Candidate("c", ("--c",), ""),
-                            mix({"512/128": BASELINE, "8192/256": scaled({64: 1.8})}), 1, 1)
-    verdict = judge(base, long_wins)
-    assert verdict.wins and "1.80x at concurrency 64 of 8192/256" in verdict.reason
-    # A candidate measured without the second shape is not comparable.
-    assert not judge(base, Measurement(Candidate("c", ("--c",), ""), mix({"512/128": BASELINE}), 1, 1)).wins
-
-
-def test_the_table_has_a_row_per_shape_under_each_candidate(tmp_path: Path):
-    base = Measurement(Candidate("plan", (), ""), mix({"512/128": BASELINE, "8192/256+2000": BASELINE}), 10, 30)
-    outcome = search([Candidate("c", ("--c",), "")], lambda c: Measurement(c, base.levels, 1, 1),
-                     Store(tmp_path, "k"), 3600, log=lambda _: None)
-    lines = format_table(outcome).splitlines()
-    assert lines[0].split()[:2] == ["candidate", "traffic"]
-    assert lines[2].split()[:2] == ["plan", "512/128"] and lines[3].split()[0] == "8192/256+2000"
-    assert lines[4].split()[:2] == ["c", "512/128"] and "loses" in lines[4]
 
 
 def test_request_shapes_parse_and_enter_the_key(tmp_path: Path):
@@ -268,8 +344,11 @@ def test_long_prompts_under_an_itl_objective_bring_short_prefill_chunks_first():
     names = [c.name for c in trial_candidates(plan_doc, mixed)]
     assert names[0] == "short-prefill-chunks" and "long-prefill-chunks" in names
     short = next(c for c in trial_candidates(plan_doc, mixed) if c.name == "short-prefill-chunks")
-    assert short.flags == ("--max-num-batched-tokens", "2048") and "ITL <= 0.1 s" in short.why
-    # Not without an ITL objective, nor for one client (no other request's prefill to wait behind), nor when
+    assert short.flags == ("--max-num-batched-tokens", "2048") and "TPOT <= 0.1 s" in short.why
+    itl = next(c for c in trial_candidates(plan_doc, replace(mixed, slo=bench.Slo(itl=0.05)))
+               if c.name == "short-prefill-chunks")
+    assert "ITL <= 0.05 s" in itl.why
+    # Not without an ITL or TPOT objective, nor for one client (no other request's prefill to wait behind), nor when
     # every prompt fits one short chunk.
     for workload in (replace(mixed, slo=bench.Slo(ttft=1.0)), replace(mixed, concurrency=(1,)), Workload()):
         assert "short-prefill-chunks" not in {c.name for c in trial_candidates(plan_doc, workload)}
@@ -280,19 +359,6 @@ def test_async_scheduling_is_tried_only_where_the_engine_does_not_default_to_it(
     for version, tried in (("0.21.0", False), ("0.22.1", False), ("0.20.2", True), ("0.9.2", True)):
         names = {c.name for c in trial_candidates({**plan_doc, "vllm_version": version}, Workload())}
         assert ("async-scheduling" in names) is tried, version
-
-
-def test_winners_setting_one_flag_to_two_values_combine_with_the_better_value(tmp_path: Path):
-    singles = [Candidate("short", ("--max-num-batched-tokens", "2048"), ""),
-               Candidate("long", ("--max-num-batched-tokens", "16384"), ""),
-               Candidate("graphs", ("--max-cudagraph-capture-size", "64"), "")]
-    results = {"plan": BASELINE, "short": scaled({16: 1.1}), "long": scaled({16: 1.3}), "graphs": scaled({64: 1.1}),
-               "long + graphs": scaled({16: 1.3, 64: 1.1})}
-    engine = Bench(results)
-    outcome = search(singles, engine.measure, Store(tmp_path, "k"), 3600, log=lambda _: None,
-                     clock=lambda: engine.now)
-    assert engine.started[-1] == "long + graphs"
-    assert outcome.winner.candidate.flags == ("--max-num-batched-tokens", "16384", "--max-cudagraph-capture-size", "64")
 
 
 def test_the_cli_refuses_a_malformed_shape_before_anything_starts(tmp_path: Path):

@@ -89,8 +89,12 @@ def test_summary_computes_the_issue_targets(tmp_path: Path):
 
 
 def _tune_level(conc: int, tok: float, good: float, traffic: str | None = None) -> dict:
+    # 32 requests, as many of them within the SLO's TTFT bound as the goodput says.
+    in_slo = round(good * 1000 / tok)
+    outcomes = [{"ok": True, "ttft": 0.1 if i < in_slo else 5.0, "tpot": 0.01, "e2e": 1000 / tok / 32 * conc,
+                 "max_itl": 0.01} for i in range(32)]
     level = {"concurrency": conc, "output_tokens_per_s": tok, "goodput_requests_per_s": good, "errors": 0,
-             "duration_s": 1000 / tok, "requests": 32}
+             "duration_s": 1000 / tok, "requests": 32, "outcomes": outcomes}
     return {**level, "traffic": traffic} if traffic else level
 
 
@@ -114,7 +118,7 @@ def _tune_dir(tmp_path: Path, winner_by: dict[str, float], defaults_by: dict[str
         "workload": {"concurrency": [1, 16], "input_len": 512, "output_len": 128, "prompts": 32,
                      "shared_prefix_len": 0, "slo": {"ttft": 1.0, "itl": 0.1},
                      "more_shapes": [{"input_len": 8192, "output_len": 256, "shared_prefix_len": 0}]},
-        "candidates": [{"name": "cap", "flags": ["--max-num-seqs", "16"], "wins": True, "reason": "1.40x"}]}))
+        "candidates": [{"name": "cap", "flags": ["--max-num-seqs", "16"], "decision": "wins", "reason": "1.40x"}]}))
     return tmp_path
 
 
@@ -140,6 +144,8 @@ def test_tune_table_counts_a_gain_where_vllm_defaults_met_the_slo_with_no_reques
         report = json.loads(path.read_text())
         for level in report["levels"]:
             level["goodput_requests_per_s"] = 0.0
+            for outcome in level["outcomes"]:
+                outcome["ttft"] = 5.0
         path.write_text(json.dumps(report))
     tuned = json.loads((directory / "tuned.json").read_text())
     table = tune_table.rows(tuned, tune_table.load_measurements(directory / "measurements"),
@@ -173,5 +179,5 @@ def test_tune_table_without_a_defaults_sweep_shows_the_tuners_comparison_and_cla
             for row in written["rows"]] == [("512/128", 1, 100, None), ("512/128", 16, 1600, None)]
     assert written["targets"]["worst_ratio"] is None and not written["targets"]["target_met"]
     text = tune_table.render(written["tuned"], written["rows"], written["targets"])
-    assert "| 512/128 | 16 | - | 1600 | 1600 | - | - | 16.00 | 16.00 | - |" in text
+    assert "| 512/128 | 16 | - | 1600 | 1600 | - | - | 16.00 [8.00, 24.00] | 16.00 [8.00, 24.00] | - |" in text
     assert "were not swept in this run" in text and "at every point" not in text
