@@ -12,22 +12,25 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_service.engine_flags import RESERVED, check_extra_args, has_control
 from kimi_service.envfile import EnvFileError, parse_env_file
 from kimi_service.errors import UsageError
-from kimi_service.route_gate import TRUSTED_CLIENTS_ENV, parse_networks
+from kimi_service.route_gate import FORWARDED_ALLOW_IPS, TRUSTED_CLIENTS_ENV, parse_networks
+from kimi_service.untrusted import MAX_SECONDS, UntrustedInput, read_bytes
+from kimi_service.values import is_repo_id, path_problem
 from kimi_service.workloads import WORKLOADS
-from kimi_service.yaml_input import YamlRefused, load_yaml
+from kimi_service.yaml_input import MAX_BYTES, YamlRefused, load_yaml
+
+if TYPE_CHECKING:
+    from kimi_service.model import Origin
 
 DEFAULT_CONFIG_PATH = Path("/etc/kimi-service/config.yaml")
 ENGINES = ("auto", "cuda", "cpu")
 # Flags the supervisor owns: letting extra_args change them would break readiness checks or leak
 # the key into argv, where `ps` shows it to every user (engine_flags.RESERVED says where each belongs).
 RESERVED_EXTRA_ARGS = tuple(RESERVED)
-# Seconds beyond this are a typo (and overflow a thread wait): 30 days.
-MAX_SECONDS = 30 * 24 * 3600.0
 # Environment a cluster section may set for the engine: the collective libraries' own knobs only.
 CLUSTER_ENV_PREFIXES = ("NCCL_", "GLOO_")
 # Engine environment plan.extra_env may not set, and where each belongs instead: secrets stay in
@@ -49,6 +52,9 @@ RESERVED_EXTRA_ENV = {
     "PYTHONUNBUFFERED": "kimi-service (always 1)",
     TRUSTED_CLIENTS_ENV: "api.trusted_clients (kimi_api_trusted_cidrs)",
     "VLLM_CPU_KVCACHE_SPACE": "--kv-cache-memory-bytes in plan.extra_args",
+    # uvicorn would take the client's address from X-Forwarded-For, which the client writes: the route
+    # gate must judge the socket's peer.
+    FORWARDED_ALLOW_IPS: "nothing: the engine never trusts forwarded client addresses",
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # vLLM puts ZeroMQ sockets at TMPDIR/<36-character uuid>; a Unix socket path holds at most 107 bytes.
@@ -63,6 +69,16 @@ class ConfigError(UsageError):
 class ModelConfig:
     path: Path
     served_name: str
+    # The hub repository and commit the weights are a copy of (the weights stage writes them): the repo id,
+    # not the shapes, finds the model's catalog entry.
+    repo: str = ""
+    commit: str = ""
+
+    @property
+    def origin(self) -> Origin | None:
+        from kimi_service.model import Origin
+
+        return Origin(self.repo, self.commit) if self.repo else None
 
 
 @dataclass(frozen=True)
@@ -227,8 +243,8 @@ class _Section:
 
     def path_value(self, name: str, default: Path | None = None) -> Path:
         value = self.string(name, None if default is None else str(default))
-        if not value.startswith("/"):
-            raise ConfigError(f"{self.key(name)}: {_show(value)} must be an absolute path (starting with /)")
+        if rule := path_problem(value):
+            raise ConfigError(f"{self.key(name)}: {_show(value)} must be {rule}")
         return Path(value)
 
     def integer(self, name: str, default: int, minimum: int, maximum: int | None = None) -> int:
@@ -328,6 +344,21 @@ def _served_name(section: _Section, default: str) -> str:
         raise ConfigError(f"{section.key('served_name')}: {_show(name)} cannot be a served model name; use a "
                           "name without surrounding blanks that does not start with '-'")
     return name
+
+
+def _model_repo(section: _Section) -> str:
+
+    repo = section.string("repo", "")
+    if repo and not is_repo_id(repo):
+        raise ConfigError(f"{section.key('repo')}: {_show(repo)} is not a hub repo id (ORG/NAME)")
+    return repo
+
+
+def _word(section: _Section, name: str) -> str:
+    value = section.string(name, "")
+    if any(c.isspace() for c in value):
+        raise ConfigError(f"{section.key(name)}: {_show(value)} holds a blank; a commit is one word")
+    return value
 
 
 def _env_mapping(section: _Section, name: str) -> dict[str, str]:
@@ -436,7 +467,8 @@ def parse_config(data: Any) -> Config:
     top = _Section(data, "")
     m = top.section("model")
     model_path = m.path_value("path")
-    model = ModelConfig(path=model_path, served_name=_served_name(m, model_path.name))
+    model = ModelConfig(path=model_path, served_name=_served_name(m, model_path.name), repo=_model_repo(m),
+                        commit=_word(m, "commit"))
     m.finish()
 
     a = top.section("api")
@@ -503,11 +535,13 @@ def parse_config(data: Any) -> Config:
 def _read(path: Path, *, missing: str, unreadable: str) -> bytes:
     """A file's bytes, or a ConfigError saying what to do when it is missing or cannot be read."""
     try:
-        return Path(path).read_bytes()
+        return read_bytes(path, limit=MAX_BYTES)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; {missing}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror}); {unreadable}") from None
+    except UntrustedInput as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: Path = DEFAULT_CONFIG_PATH) -> Config:

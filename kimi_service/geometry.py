@@ -9,6 +9,9 @@
 - Sliding-window layers: `layer_types`, Gemma 3's `sliding_window_pattern`, Gemma 2's alternation, Qwen2's
   `max_window_layers`, or (Mistral 7B v0.1) every layer. vLLM's hybrid KV cache manager keeps only the
   window (plus one prefill chunk) of those layers per sequence.
+- Linear-attention layers (Qwen3-Next's Gated DeltaNet): `layer_types` "linear_attention", or every layer but
+  each `full_attention_interval`-th (transformers' Qwen3NextConfig). They cache no tokens: each sequence holds
+  a fixed recurrent state instead (vLLM's conv and SSM state, `MambaSpec`).
 """
 
 from __future__ import annotations
@@ -113,9 +116,9 @@ def sliding_window(text: Mapping[str, Any], layers: int) -> SlidingWindow | None
     window = text.get("sliding_window")
     if not isinstance(window, int) or window <= 0 or text.get("use_sliding_window") is False:
         return None
-    types = text.get("layer_types")
+    types = _layer_types(text, layers)
     model_type = str(text.get("model_type", ""))
-    if isinstance(types, list) and len(types) == layers:
+    if types is not None:
         sliding = sum(1 for kind in types if kind == "sliding_attention")
     elif isinstance(text.get("sliding_window_pattern"), int) and text["sliding_window_pattern"] > 0:
         # Gemma 3: every pattern-th layer is global, the others local.
@@ -127,6 +130,38 @@ def sliding_window(text: Mapping[str, Any], layers: int) -> SlidingWindow | None
     else:
         sliding = layers  # Mistral 7B v0.1: every layer
     return SlidingWindow(sliding, window) if sliding and window < context(text).length else None
+
+
+def _layer_types(text: Mapping[str, Any], layers: int) -> list[str] | None:
+    types = text.get("layer_types")
+    return types if isinstance(types, list) and len(types) == layers else None
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    layers: int  # layers holding a recurrent state instead of a KV cache
+    state_values: int  # one such layer's state for one sequence at TP 1: conv state + SSM state
+
+
+def linear_attention(text: Mapping[str, Any], layers: int) -> LinearAttention | None:
+    """Gated DeltaNet layers and their per-sequence state, or None for a model whose every layer attends."""
+    types = _layer_types(text, layers)
+    interval = text.get("full_attention_interval")
+    if types is not None:
+        count = sum(1 for kind in types if kind == "linear_attention")
+    elif isinstance(interval, int) and interval > 0:
+        count = layers - layers // interval  # layer i attends fully when (i + 1) % interval == 0
+    else:
+        return None
+    if not count:
+        return None
+    key_heads, key_dim = int(text.get("linear_num_key_heads") or 0), int(text.get("linear_key_head_dim") or 0)
+    value_heads, value_dim = int(text.get("linear_num_value_heads") or 0), int(text.get("linear_value_head_dim") or 0)
+    kernel = int(text.get("linear_conv_kernel_dim") or 0)
+    # vLLM's GatedDeltaNet state: the causal conv's last kernel-1 inputs over q, k and v, and one
+    # key_dim x value_dim matrix per value head (mamba_utils.gated_delta_net_state_shape).
+    conv = (2 * key_heads * key_dim + value_heads * value_dim) * max(kernel - 1, 0)
+    return LinearAttention(count, conv + value_heads * key_dim * value_dim)
 
 
 def dual_chunk(text: Mapping[str, Any]) -> bool:

@@ -6,7 +6,7 @@ Both paths produce the same `GpuInventory`, so the planner never knows which one
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -83,7 +83,12 @@ KNOWN_GPUS: tuple[GpuModel, ...] = (
     GpuModel("A10G", 23028 * MIB, (8, 6), nvlink=False, nvswitch=False, pci_ids=("0x2237",)),
     GpuModel("A40", 46068 * MIB, (8, 6), nvlink=False, nvswitch=False, pci_ids=("0x2235",)),
     GpuModel(
-        "RTX-4090", 24564 * MIB, (8, 9), nvlink=False, nvswitch=False, aliases=("GEFORCE-RTX-4090", "4090")
+        "RTX-4090", 24564 * MIB, (8, 9), nvlink=False, nvswitch=False, aliases=("GEFORCE-RTX-4090", "4090"),
+        pci_ids=("0x2684",),
+    ),
+    GpuModel(
+        "RTX-3090", 24576 * MIB, (8, 6), nvlink=False, nvswitch=False, aliases=("GEFORCE-RTX-3090", "3090"),
+        pci_ids=("0x2204",),
     ),
     GpuModel("B200", 183359 * MIB, (10, 0), nvlink=True, nvswitch=True, pci_ids=("0x2901",)),
 )
@@ -126,6 +131,8 @@ class GpuInventory:
     nvswitch: bool
     driver_version: str | None = None
     host_memory_bytes: int | None = None
+    # A board outside the table, planned from its stated memory: what the planner had to assume about it.
+    assumed: str | None = None
 
     @classmethod
     def cpu(cls, host_memory_bytes: int | None) -> GpuInventory:
@@ -161,6 +168,7 @@ class GpuInventory:
             nvswitch=self.nvswitch,
             driver_version=self.driver_version,
             host_memory_bytes=self.host_memory_bytes,
+            assumed=self.assumed,
         )
 
     def describe(self) -> str:
@@ -181,7 +189,7 @@ def inventory_of(gpu: GpuModel, count: int, memory_bytes: int | None = None) -> 
     )
 
 
-_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|G|M)$")
+_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|G|M)$", re.ASCII)
 _MEMORY_UNITS = {"GIB": GIB, "G": GIB, "GB": 1000**3, "MIB": MIB, "M": MIB, "MB": 1000**2}
 
 
@@ -200,7 +208,7 @@ _SPEC_HELP = (
 
 
 def _parse_count(text: str, spec: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # int("٨") is 8
         raise UsageError(
             f"GPU count {text!r} in --gpus {spec!r} is not a positive whole number; {_SPEC_HELP}"
         )
@@ -217,7 +225,7 @@ def parse_gpu_spec(spec: str) -> GpuInventory:
         if len(parts) > 2:
             raise UsageError(f"cannot read --gpus {spec!r}; {_SPEC_HELP}")
         return GpuInventory.cpu(parse_memory(parts[1]) if len(parts) == 2 else host_memory_bytes())
-    count_first = re.match(r"^(\d+)\s*[xX]\s*(.+)$", parts[0])
+    count_first = re.match(r"^(\d+)\s*[xX]\s*(.+)$", parts[0], re.ASCII)
     if count_first and len(parts) <= 2:
         count, name = _parse_count(count_first.group(1), spec), count_first.group(2)
         memory_text = parts[1] if len(parts) == 2 else None
@@ -235,8 +243,13 @@ def parse_gpu_spec(spec: str) -> GpuInventory:
                 f"{_SPEC_HELP}"
             )
         # An unknown board with a stated size: plan for it as an Ampere-class part (no FP8, no NVLink),
-        # the cautious choice.
+        # the cautious choice, and say so in every plan.
         gpu = GpuModel(_normalise(name), memory, (8, 0), nvlink=False, nvswitch=False)
+        return replace(inventory_of(gpu, count, memory), assumed=(
+            f"{gpu.name} is not in the GPU table: planned with the {memory / GIB:,.1f} GiB given, as a PCIe card "
+            "without NVLink or FP8 (BF16 weights and KV, no FP8 KV cache); its real compute capability decides "
+            "which kernels vLLM runs"
+        ))
     return inventory_of(gpu, count, memory)
 
 

@@ -6,15 +6,16 @@ catalog name, which plans without downloading anything.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kimi_service import catalog, geometry, quantization
 from kimi_service.errors import UsageError
+from kimi_service.parsers import Parsers, choose_parsers, template_text
+from kimi_service.untrusted import read_bytes, read_json
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 # The shape fields read from config.json besides the four required ones: whole numbers when present
@@ -23,7 +24,9 @@ _SHAPE_FIELDS = (
     "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "kv_lora_rank",
     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
-    "n_routed_experts", "num_local_experts", "num_experts",
+    "n_routed_experts", "num_local_experts", "num_experts", "intermediate_size_mlp", "interleave_moe_layer_step",
+    "decoder_sparse_step", "moe_layer_freq", "full_attention_interval", "linear_num_key_heads",
+    "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim", "linear_conv_kernel_dim",
 )
 _MLA_FIELDS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 MAX_SHAPE = 2**31 - 1
@@ -74,6 +77,14 @@ class ModelSpec:
     expert_bytes: int = 0
     # MLA's per-head query/key width besides rope: what the attention's prefill activations scale with.
     qk_nope_head_dim: int | None = None
+    linear_attention_layers: int = 0  # layers holding a recurrent state per sequence instead of a KV cache
+    linear_state_values: int = 0  # one such layer's state for one sequence at TP 1
+    parsers: Parsers = field(default_factory=Parsers)  # tool-call and reasoning parsers (kimi_service.parsers)
+
+    @property
+    def cached_layers(self) -> int:
+        """Layers whose KV cache grows with the sequence (full or sliding-window attention)."""
+        return self.num_layers - self.linear_attention_layers
 
     @property
     def weights_estimated(self) -> bool:
@@ -95,7 +106,7 @@ class ModelSpec:
         when there are fewer KV heads than ranks). PP divides the layers; the busiest stage gets the ceiling.
         """
         per_value = kv_dtype_bytes or self.kv_dtype_bytes
-        layers = math.ceil(self.num_layers / pipeline_parallel)
+        layers = math.ceil(self.cached_layers / pipeline_parallel)
         if self.attention == "mla":
             assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
             return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * per_value
@@ -110,14 +121,22 @@ class ModelSpec:
 
         Sliding-window layers hold at most the window plus one prefill chunk (`window_slack`, vLLM's
         max_num_batched_tokens: SlidingWindowSpec.max_memory_usage_bytes); full-attention layers the whole
-        sequence. Each kind is split over PP stages rounding up, so the figure never undercounts.
+        sequence; linear-attention layers their recurrent state, whatever the length. Each kind is split
+        over PP stages rounding up, so the figure never undercounts.
         """
+        state = self.linear_state_bytes(tensor_parallel, pipeline_parallel)
         if not self.sliding_window_layers or self.sliding_window is None:
-            return self.kv_bytes_per_token(tensor_parallel, pipeline_parallel, kv_dtype_bytes) * length
-        per_layer = self.kv_bytes_per_token(tensor_parallel, 1, kv_dtype_bytes) // self.num_layers
-        full = math.ceil((self.num_layers - self.sliding_window_layers) / pipeline_parallel)
+            return self.kv_bytes_per_token(tensor_parallel, pipeline_parallel, kv_dtype_bytes) * length + state
+        per_layer = self.kv_bytes_per_token(tensor_parallel, 1, kv_dtype_bytes) // self.cached_layers
+        full = math.ceil((self.cached_layers - self.sliding_window_layers) / pipeline_parallel)
         local = math.ceil(self.sliding_window_layers / pipeline_parallel)
-        return per_layer * (full * length + local * min(length, self.sliding_window + window_slack))
+        return per_layer * (full * length + local * min(length, self.sliding_window + window_slack)) + state
+
+    def linear_state_bytes(self, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
+        """One sequence's recurrent state on the busiest GPU: split over TP by heads, kept at the model's
+        dtype (vLLM's mamba cache dtype follows the model's, not --kv-cache-dtype)."""
+        layers = math.ceil(self.linear_attention_layers / pipeline_parallel)
+        return layers * math.ceil(self.linear_state_values / tensor_parallel) * self.kv_dtype_bytes
 
     @property
     def embedding_bytes(self) -> int:
@@ -177,29 +196,67 @@ def _attention_parameters(text: Mapping[str, Any], hidden: int, heads: int) -> i
     return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
 
 
+def _linear_attention_parameters(text: Mapping[str, Any], hidden: int) -> int:
+    """A Gated DeltaNet layer: the q/k/v/z and beta/alpha input projections, the causal conv, the output."""
+    keys = int(text.get("linear_num_key_heads") or 0) * int(text.get("linear_key_head_dim") or 0)
+    value_heads = int(text.get("linear_num_value_heads") or 0)
+    values = value_heads * int(text.get("linear_value_head_dim") or 0)
+    conv = (2 * keys + values) * int(text.get("linear_conv_kernel_dim") or 0)
+    return hidden * (2 * keys + 2 * values) + hidden * 2 * value_heads + conv + values * hidden
+
+
+def moe_layer_count(text: Mapping[str, Any], layers: int) -> int:
+    """The layers that hold experts, as transformers and vLLM place them: an explicit `moe_layers` list
+    (Llama 4); every `interleave_moe_layer_step`-th (Llama 4) or `decoder_sparse_step`-th layer not in
+    `mlp_only_layers` (Qwen2/3-MoE, Qwen3-Next); from `first_k_dense_replace` on, every `moe_layer_freq`-th
+    (DeepSeek V2/V3, GLM-4.5, Kimi). Other MoE models put experts in every layer."""
+    if not _num_experts(text):
+        return 0
+    listed = text.get("moe_layers")
+    if isinstance(listed, list):
+        return len({index for index in listed if isinstance(index, int) and 0 <= index < layers})
+    step = int(text.get("interleave_moe_layer_step") or text.get("decoder_sparse_step") or 1)
+    first = int(text.get("first_k_dense_replace") or 0)
+    every = int(text.get("moe_layer_freq") or 1)
+    dense = set(_index_list(text, "mlp_only_layers"))
+    return sum(1 for i in range(layers) if i >= first and i % every == 0 and (i + 1) % step == 0 and i not in dense)
+
+
+def _index_list(text: Mapping[str, Any], key: str) -> list[int]:
+    value = text.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise UsageError(f"config.json: {key} is {_show(value)}; expected a list of layer numbers")
+    return value
+
+
 def parameter_groups(text: Mapping[str, Any]) -> dict[str, int]:
     """Parameters by what they are (norms and biases left out: under 0.1%), so each can have its own width."""
     hidden = int(text["hidden_size"])
     layers = int(text["num_hidden_layers"])
     vocab = int(text["vocab_size"])
     embed = vocab * hidden
-    groups = {
-        "embed": embed,
-        "lm_head": 0 if text.get("tie_word_embeddings") else embed,
-        "attention": layers * _attention_parameters(text, hidden, int(text["num_attention_heads"])),
-    }
-    dense_mlp = 3 * hidden * int(text.get("intermediate_size") or 4 * hidden)
+    linear = geometry.linear_attention(text, layers)
+    linear_layers = linear.layers if linear else 0
+    attention = (layers - linear_layers) * _attention_parameters(text, hidden, int(text["num_attention_heads"]))
+    if linear_layers:
+        attention += linear_layers * _linear_attention_parameters(text, hidden)
+    groups = {"embed": embed, "lm_head": 0 if text.get("tie_word_embeddings") else embed, "attention": attention}
+    # Llama 4's dense layers are wider than its experts (intermediate_size_mlp vs intermediate_size).
+    dense_mlp = 3 * hidden * int(text.get("intermediate_size_mlp") or text.get("intermediate_size") or 4 * hidden)
     experts = _num_experts(text)
-    if not experts:
+    moe_layers = moe_layer_count(text, layers)
+    if not experts or not moe_layers:
         return {**groups, "mlp": layers * dense_mlp}
     moe_inter = int(text.get("moe_intermediate_size") or text.get("intermediate_size"))
-    shared = int(text.get("n_shared_experts") or 0)
+    # Shared experts: Qwen2-MoE and Qwen3-Next give one expert's width, DeepSeek and GLM a count of
+    # routed-width experts; Llama 4 has one shared expert as wide as a routed one in every MoE layer.
+    shared = int(text.get("n_shared_experts") or (1 if str(text.get("model_type")) == "llama4_text" else 0))
     shared_inter = int(text.get("shared_expert_intermediate_size") or shared * moe_inter)
-    dense_layers = int(text.get("first_k_dense_replace") or 0)
-    moe_layers = layers - dense_layers
     return {
         **groups,
-        "mlp": dense_layers * dense_mlp,
+        "mlp": (layers - moe_layers) * dense_mlp,
         "experts": moe_layers * experts * moe_inter * 3 * hidden,
         "shared_experts": moe_layers * shared_inter * 3 * hidden,
         "router": moe_layers * hidden * experts,
@@ -253,8 +310,10 @@ def spec_from_config(
     weight_bytes_source: str,
     source: str,
     catalog_name: str | None = None,
+    chat_template: str | None = None,
 ) -> ModelSpec:
-    """ModelSpec from a parsed config.json; weight_bytes None means estimate it from the shapes."""
+    """ModelSpec from a parsed config.json (and the chat template, None when there is none to read);
+    weight_bytes None means estimate it from the shapes."""
     text = geometry.language_config(config)
     architectures = config.get("architectures") or text.get("architectures") or ["unknown"]
     layers = _int(text, "num_hidden_layers", "number of layers")
@@ -274,7 +333,11 @@ def spec_from_config(
         weight_bytes_source = "estimated from config.json"
     expert_bytes = int(weight_bytes * expert_share(text, scheme, dtype))
     window = geometry.sliding_window(text, layers)
-    experts = _num_experts(text)
+    linear = geometry.linear_attention(text, layers)
+    if linear and not linear.state_values:
+        notes.append(f"{linear.layers} linear-attention layers without linear_* head sizes in config.json: their "
+                     "per-sequence state is not counted")
+    experts = _num_experts(text) if moe_layer_count(text, layers) else None
     per_token = text.get("num_experts_per_tok") or text.get("experts_per_token")
     return ModelSpec(
         name=name,
@@ -311,6 +374,9 @@ def spec_from_config(
         notes=tuple(notes),
         expert_bytes=expert_bytes,
         qk_nope_head_dim=int(text["qk_nope_head_dim"]) if mla else None,
+        linear_attention_layers=linear.layers if linear else 0,
+        linear_state_values=linear.state_values if linear else 0,
+        parsers=choose_parsers(config, chat_template),
     )
 
 
@@ -318,7 +384,7 @@ def _weight_bytes(directory: Path) -> tuple[int | None, str]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            data = json.loads(index.read_text())
+            data = read_json(index)
         except (OSError, ValueError) as exc:
             raise UsageError(
                 f"cannot read {index}: {exc}; re-download the model or remove the broken index"
@@ -343,7 +409,7 @@ def _with_modelopt_config(config: dict[str, Any], directory: Path) -> dict[str, 
     if "quantization_config" in config or not path.is_file():
         return config
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read {path}: {exc}; it must be ModelOpt's JSON quantization config") from exc
     quant = data.get("quantization") if isinstance(data, dict) else None
@@ -357,7 +423,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{directory} has no config.json: point --model at a Hugging Face model directory")
     try:
-        config = json.loads(path.read_text())
+        config = read_json(path)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read {path}: {exc}; it must be the model's JSON config") from exc
     if not isinstance(config, dict):
@@ -365,28 +431,69 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def inspect_model(path_or_repo_id: str) -> ModelSpec:
-    """ModelSpec for a model directory or a catalog name (a Hugging Face repo id). Raises UsageError."""
-    directory = Path(path_or_repo_id).expanduser()
+# Published chat templates are tens of kilobytes; a larger one is not a template this planner reads.
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def _read_chat_template(directory: Path) -> str | None:
+    """The directory's chat template (chat_template.jinja, else tokenizer_config.json's), None without one:
+    its tool-call and thinking markers choose the parsers."""
+    jinja, tokenizer = directory / "chat_template.jinja", directory / "tokenizer_config.json"
+    try:
+        template_file = (read_bytes(jinja, limit=MAX_TEMPLATE_BYTES).decode("utf-8", errors="replace")
+                         if jinja.is_file() else None)
+        tokenizer_config = read_json(tokenizer) if tokenizer.is_file() and template_file is None else None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the chat template in {directory}: {exc}; re-download the model's "
+                         "tokenizer files") from exc
+    return template_text(tokenizer_config, template_file)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The hub repository a model directory holds (the weights' copy, or the hub's small files): the repo id
+    names the model and finds its catalog entry, so nothing has to recognise it by its shapes."""
+
+    repo: str
+    commit: str = ""
+    # The listed sizes of the safetensors files: the checkpoint's size where no weights are on disk.
+    weight_bytes: int | None = None
+
+
+def inspect_model(path_or_repo_id: str, origin: Origin | None = None) -> ModelSpec:
+    """ModelSpec for a model directory (of `origin`'s repository when given) or a catalog name (a Hugging
+    Face repo id). Raises UsageError."""
+    try:
+        directory = Path(path_or_repo_id).expanduser()
+    except RuntimeError:  # `~name/...` for a user this host lacks
+        raise UsageError(f"{path_or_repo_id}: no such user's home directory") from None
     if directory.is_dir():
         config = _with_modelopt_config(_read_config(directory), directory)
         weight_bytes, weight_source = _weight_bytes(directory)
+        chat_template = _read_chat_template(directory)
+        if origin and origin.weight_bytes:
+            weight_bytes, weight_source = origin.weight_bytes, "hub listing (safetensors file sizes)"
         try:
             spec = spec_from_config(
                 config,
-                name=str(directory),
+                name=origin.repo if origin else str(directory),
                 weight_bytes=weight_bytes,
                 weight_bytes_source=weight_source,
-                source=f"{directory / 'config.json'}",
+                source=f"{origin.repo}@{origin.commit or 'local'} config.json" if origin
+                else f"{directory / 'config.json'}",
+                chat_template=chat_template,
             )
         except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
             # What check_shape_fields does not foresee still ends as bad input, not a traceback.
             raise UsageError(f"{directory / 'config.json'}: a field has an unexpected value "
                              f"({type(exc).__name__}: {_show(str(exc))}); is this a Hugging Face model "
                              "config?") from None
-        spec = replace(spec, served_name=directory.resolve().name)
+        spec = replace(spec, served_name=origin.repo if origin else directory.resolve().name)
         if weight_source.startswith("gguf"):
             spec = replace(spec, quantization="gguf", notes=(*spec.notes, *_gguf_notes(weight_source)))
+        if origin:
+            entry = catalog.get(origin.repo)
+            return replace(spec, catalog_name=entry.repo_id if entry else None)
         entry = catalog_entry_for(spec)
         return spec if entry is None else replace(spec, catalog_name=entry.repo_id, matched_by_shape=True)
     entry = catalog.get(path_or_repo_id)

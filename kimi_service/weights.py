@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 
-from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.safedir import SafeDir, harden_file
 from kimi_service.weights_download import (
@@ -47,12 +46,12 @@ from kimi_service.weights_sources import (
     FetchError,
     Listing,
     RemoteFile,
-    list_hf,
-    list_http,
+    hub_client,
     list_local,
-    list_modelscope,
+    list_remote,
     safe_relpath,
 )
+from kimi_service.weights_sources import SOURCES as REMOTE_SOURCES
 
 __all__ = [
     "INCOMPLETE_SUFFIX",
@@ -77,9 +76,13 @@ __all__ = [
     "write_manifest",
 ]
 
-SOURCES = ("hf", "modelscope", "http", "local")
+SOURCES = (*REMOTE_SOURCES, "local")
 VERIFY_MODES = ("size", "full")
 MARKER_VERSION = 1
+
+
+class CommitMoved(UsageError):
+    """The revision names another commit than the one the plan was made for."""
 
 
 class NotEnoughSpace(KimiError):
@@ -105,6 +108,8 @@ class FetchRequest:
     token: str = field(default="", repr=False)
     connections: int = DEFAULT_CONNECTIONS
     range_size: int = DEFAULT_RANGE_SIZE
+    # The commit the plan was made for: weights of another commit are refused, not fetched.
+    expect_commit: str = ""
 
     def validate(self) -> None:
         if self.source not in SOURCES:
@@ -200,23 +205,12 @@ def _human(n: float) -> str:
 # Sources → Listing
 
 
-def _client(token: str, connections: int) -> httpx.Client:
-    headers = {"User-Agent": "kimi-service", **bearer(token)}
-    # httpx drops Authorization on redirects to another origin (the hub's CDN), as it should.
-    return httpx.Client(headers=headers, follow_redirects=True, timeout=httpx.Timeout(60.0, connect=15.0),
-                        limits=httpx.Limits(max_connections=connections,
-                                            max_keepalive_connections=connections))
-
-
 def list_files(request: FetchRequest, client: httpx.Client) -> Listing:
-    if request.source == "hf":
-        return list_hf(client, request.endpoint, request.repo, request.revision)
-    if request.source == "modelscope":
-        return list_modelscope(client, request.endpoint, request.repo, request.revision)
-    if request.source == "http":
-        return list_http(client, request.endpoint, request.manifest_url, request.repo, request.revision)
-    assert request.local_path is not None
-    return list_local(request.local_path, request.repo, request.revision)
+    if request.source == "local":
+        assert request.local_path is not None
+        return list_local(request.local_path, request.repo, request.revision)
+    return list_remote(client, request.source, request.endpoint, request.manifest_url, request.repo,
+                       request.revision)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +266,8 @@ def is_up_to_date(request: FetchRequest) -> bool:
         marker = read_marker(tree)
         if marker is None or not marker_matches(marker, (request.repo, request.revision)):
             return False
+        if request.expect_commit and marker.get("commit") != request.expect_commit:
+            return False
         if request.verify == "full" and any(f.get("verified") != "full" for f in marker["files"]):
             return False
         return not stale_files(marker, tree)
@@ -298,8 +294,12 @@ def fetch(request: FetchRequest, *, sleep: Callable[[float], None] = time.sleep)
     if is_up_to_date(request):
         return _recorded_result(request, started)
     try:
-        with _client(request.token, request.connections) as client:
+        with hub_client(request.token, connections=request.connections) as client:
             listing = list_files(request, client)
+            if request.expect_commit and listing.commit != request.expect_commit:
+                raise CommitMoved(f"{request.repo}@{request.revision} is commit {listing.commit} now, but the plan "
+                                  f"was made for commit {request.expect_commit}; rerun the play to plan the new "
+                                  "commit, or pin kimi_model_revision to a commit")
             if not listing.files:
                 raise FetchError(f"{request.repo}@{request.revision} lists no files")
             tree = SafeDir.open(request.dest, create=False, harden=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import httpx
 
 from kimi_service.safedir import SafeDir
-from kimi_service.weights_sources import INCOMPLETE_SUFFIX, STATE_SUFFIX, FetchError, RemoteFile
+from kimi_service.weights_sources import INCOMPLETE_SUFFIX, STATE_SUFFIX, TOKEN_HINT, FetchError, RemoteFile
 
 CHUNK = 1 << 20
 STATE_VERSION = 1
@@ -230,6 +230,9 @@ def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int |
     if offset or end is not None:
         headers["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
     with client.stream("GET", remote.url, headers=headers) as response:
+        if response.status_code in (401, 403):
+            raise FetchError(f"{remote.url} answered {response.status_code}: {remote.path} needs a token with "
+                             f"access ({TOKEN_HINT})")
         if response.status_code not in (200, 206):
             raise FetchError(f"{remote.url} answered {response.status_code} for {remote.path}")
         length = response.headers.get("Content-Length")

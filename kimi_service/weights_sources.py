@@ -9,13 +9,16 @@ problem (exit 2), never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote
 
 import httpx
 
+from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
 
 MARKER_NAME = ".kimi-weights.json"
@@ -26,6 +29,12 @@ STATE_SUFFIX = INCOMPLETE_SUFFIX + ".json"
 _RESERVED_SUFFIXES = (INCOMPLETE_SUFFIX, STATE_SUFFIX, STATE_SUFFIX + ".tmp")
 _HEX = re.compile(r"[0-9a-f]+")
 _REVISION = re.compile(r"[\x21-\x7e]{1,256}")
+SOURCES = ("hf", "modelscope", "http")
+DEFAULT_ENDPOINTS = {"hf": "https://huggingface.co", "modelscope": "https://www.modelscope.cn"}
+TRANSFER_TIMEOUT = httpx.Timeout(60.0, connect=15.0)
+# Where a hub token comes from, for the messages that ask for one.
+TOKEN_HINT = ("HF_TOKEN (MODELSCOPE_API_TOKEN for ModelScope) in the environment, --token-file, or kimi_hf_token "
+              "in the inventory")
 
 
 class FetchError(KimiError):
@@ -144,7 +153,7 @@ def _get_json(client: httpx.Client, url: str, what: str) -> object:
                          "network") from exc
     if response.status_code in (401, 403):
         raise FetchError(f"{url} answered {response.status_code}: {what} needs a token with access "
-                         "(HF_TOKEN in the environment, kimi_hf_token in the inventory)")
+                         f"({TOKEN_HINT})")
     if response.status_code == 404:
         raise FetchError(f"{url} answered 404: {what} does not exist; check the repo id and the revision")
     if response.status_code != 200:
@@ -155,6 +164,32 @@ def _get_json(client: httpx.Client, url: str, what: str) -> object:
         raise BadListing(f"{url} answered bytes that are not UTF-8 while listing {what}") from None
     except (ValueError, RecursionError):
         raise BadListing(f"{url} did not answer JSON while listing {what}") from None
+
+
+def default_endpoint(source: str, env: Mapping[str, str] = os.environ) -> str:
+    """The hub's base URL when no --endpoint is given: HF_ENDPOINT as huggingface_hub reads it, else the public
+    hub (ModelScope's own for ModelScope; a plain mirror has none)."""
+    if source == "hf" and env.get("HF_ENDPOINT"):
+        return env["HF_ENDPOINT"].rstrip("/")
+    return DEFAULT_ENDPOINTS.get(source, "")
+
+
+def hub_client(token: str, *, connections: int = 1, timeout: httpx.Timeout = TRANSFER_TIMEOUT) -> httpx.Client:
+    """The HTTP client every hub request goes through. httpx drops Authorization on a redirect to another
+    origin (the hub's CDN), so the token reaches the endpoint's host only."""
+    return httpx.Client(headers={"User-Agent": "kimi-service", **bearer(token)}, follow_redirects=True,
+                        timeout=timeout, limits=httpx.Limits(max_connections=connections,
+                                                             max_keepalive_connections=connections))
+
+
+def list_remote(client: httpx.Client, source: str, endpoint: str, manifest_url: str, repo: str,
+                revision: str) -> Listing:
+    """The listing of a repository on the hub, ModelScope or a plain mirror."""
+    if source == "hf":
+        return list_hf(client, endpoint, repo, revision)
+    if source == "modelscope":
+        return list_modelscope(client, endpoint, repo, revision)
+    return list_http(client, endpoint, manifest_url, repo, revision)
 
 
 def list_hf(client: httpx.Client, endpoint: str, repo: str, revision: str) -> Listing:

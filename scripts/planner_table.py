@@ -9,13 +9,14 @@ kimi_service, whichever checkout the virtual environment was installed from.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
 
 from kimi_service import catalog
 from kimi_service.hardware import parse_gpu_spec
-from kimi_service.model import ModelSpec, inspect_model, spec_from_catalog
+from kimi_service.model import ModelSpec, inspect_model, spec_from_catalog, spec_from_config
 from kimi_service.planner import DoesNotFit, Plan, plan
 from kimi_service.planner.budget import Parallelism
 
@@ -35,6 +36,17 @@ CHECKPOINTS = (
     "Qwen/Qwen2.5-7B-Instruct+yarn4",
     "Qwen/Qwen2.5-7B-Instruct-1M",
     "google/gemma-3-27b-it",
+)
+# Published configs without a fixture directory: the fields the planner reads, from
+# tests/fixtures/published_configs.json (each with its config.json's URL).
+PUBLISHED_CONFIGS = Path("tests/fixtures/published_configs.json")
+PUBLISHED = (
+    "Qwen/Qwen3-8B",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8",
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "zai-org/GLM-4.5-Air",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1",
 )
 CHECKPOINT_RENTALS = (
     ("1 x RTX 4090 (24 GB)", "RTX-4090:1", None),
@@ -161,13 +173,19 @@ def render() -> str:
         "",
         "Each row reads the checkpoint's own config.json (tests/fixtures/models): its quantization format and",
         "the tensors it keeps in BF16, its context (RoPE scaling, sliding windows, dual chunk attention). Weights",
-        "are estimated from the config (no safetensors index in the fixtures). The last column asks for the",
-        "model's whole context.",
+        "are estimated from the config (no safetensors index in the fixtures). The last rows read only the fields",
+        "the planner reads of further published configs (tests/fixtures/published_configs.json). The last column",
+        "asks for the model's whole context.",
         "",
         *_head(("checkpoint", "weights (est.)", "context"), CHECKPOINT_RENTALS),
     ])
-    for repo_id in CHECKPOINTS:
-        spec = inspect_model(str(FIXTURES / repo_id.replace("/", "--")))
+    published = {entry["repo_id"]: entry["config"] for entry in json.loads(PUBLISHED_CONFIGS.read_text())}
+    specs = [inspect_model(str(FIXTURES / repo_id.replace("/", "--"))) for repo_id in CHECKPOINTS] + [
+        spec_from_config(published[repo_id], name=repo_id, weight_bytes=None, weight_bytes_source="",
+                         source=str(PUBLISHED_CONFIGS))
+        for repo_id in PUBLISHED
+    ]
+    for repo_id, spec in zip((*CHECKPOINTS, *PUBLISHED), specs, strict=True):
         cells = [
             _cell(spec, gpus, length=spec.native_max_len if length == "native" else None)
             for _, gpus, length in CHECKPOINT_RENTALS

@@ -99,17 +99,35 @@ def catalog_flags(entry: CatalogEntry) -> list[Flag]:
 
 
 def model_flags(model: ModelSpec, entry: CatalogEntry | None, *, leave_out: Iterable[str] = ()) -> list[Flag]:
-    """What the model itself needs: its catalog entry's flags, or remote code a config.json points at."""
+    """What the model itself needs: its catalog entry's flags (or remote code a config.json points at), and
+    the tool-call and reasoning parsers its config and chat template call for."""
     if entry:
         skipped = set(leave_out)
         flags = [flag for flag in catalog_flags(entry) if flag.name not in skipped]
         if model.matched_by_shape:
             flags = [Flag(f.name, f.value, f"{f.why} [flags of catalog entry {entry.repo_id}, which this directory "
                                            "matches by architecture, geometry and quantization]") for f in flags]
-        return flags
-    if model.trust_remote_code:
-        return [Flag("--trust-remote-code", None, "config.json's auto_map points at code in the model repo")]
-    return []
+    elif model.trust_remote_code:
+        flags = [Flag("--trust-remote-code", None, "config.json's auto_map points at code in the model repo")]
+    else:
+        flags = []
+    return flags + parser_flags(model)
+
+
+def parser_flags(model: ModelSpec) -> list[Flag]:
+    parsers = model.parsers
+    if parsers.tool_parser is None:
+        return []
+    found = f"{parsers.family}, recognised by {parsers.recognised_by}; {parsers.source}"
+    flags = [
+        Flag("--tool-call-parser", parsers.tool_parser, f"turns {parsers.family}'s tool-call format into OpenAI "
+             f"tool_calls ({found})"),
+        Flag("--enable-auto-tool-choice", None, "lets clients send tool_choice=auto, as agent frameworks do"),
+    ]
+    if parsers.reasoning_parser:
+        flags.append(Flag("--reasoning-parser", parsers.reasoning_parser,
+                          f"{parsers.thinking} ({found})"))
+    return flags
 
 
 def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Plan:
@@ -133,6 +151,8 @@ def assemble(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
             extra.append(value)
         reasons.setdefault(flag, "operator override")
     argv.extend(extra)
+    if "--tool-call-parser" not in argv:
+        draft.warnings.append(model.parsers.tool_warning)
     return Plan(
         fits=True,
         argv=argv,

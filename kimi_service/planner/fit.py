@@ -75,6 +75,8 @@ class Fit:
     choice: str = ""  # why this group, when it is not simply the smallest that serves the workload
     # Reasons for choices that are not flags of their own: why DP+EP is off, why the KV dtype is what it is.
     notes: tuple[tuple[str, str], ...] = ()
+    # Flags a reduced plan adds because nothing fits with vLLM's defaults (layout.REDUCED_BATCH).
+    reduced: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def max_concurrency(self) -> int:
@@ -188,10 +190,10 @@ def sequences_held(
     model: ModelSpec, budget: MemoryBudget, parallel: Parallelism, knobs: Knobs
 ) -> Callable[[int], int]:
     """How many sequences of a length the group's KV caches hold (in vLLM's 16-token blocks when every
-    layer caches every token; sliding-window layers counted at their window). Each DP rank holds its own
-    sequences in its own cache: a sequence never spans ranks."""
+    layer caches every token; sliding-window layers counted at their window, linear-attention layers at
+    their state). Each DP rank holds its own sequences in its own cache: a sequence never spans ranks."""
     tokens, ranks = kv_tokens(model, budget, parallel, knobs), parallel.data
-    if not model.sliding_window_layers:
+    if not model.sliding_window_layers and not model.linear_attention_layers:
         return lambda length: tokens // length * ranks
     return lambda length: budget.kv_cache_bytes // sequence_bytes(model, parallel, knobs, length) * ranks
 

@@ -29,6 +29,7 @@ def gpu_plan(problem: Problem, endpoint: Endpoint, fit: Fit, draft: Draft) -> Pl
     _length_flag(problem, fit, draft)
     _memory_flags(fit, draft)
     _workload_flags(problem, draft)
+    _reduced_flags(problem, fit, draft)
     _long_prefill_flags(fit.knobs, draft)
     _expert_parallel_flag(problem, fit, draft)
     _model_flags(problem, draft)
@@ -141,6 +142,24 @@ def _workload_flags(problem: Problem, draft: Draft) -> None:
                 f"not set (vLLM's default): the {profile.name} workload's {value} can lose on some hosts; "
                 "`kimi-service tune` tries it and sets it only when it measures a win here"
             )
+
+
+def _reduced_flags(problem: Problem, fit: Fit, draft: Draft) -> None:
+    """A reduced plan's flags, each with what it costs, and a warning that says the trade as a whole."""
+    if not fit.reduced:
+        return
+    notes = dict(fit.notes)
+    for flag, value in fit.reduced:
+        draft.flags.append(Flag(flag, value, notes[flag]))
+        draft.reasons.pop(flag.removeprefix("--"), None)
+    assert fit.knobs is not None
+    flags = " ".join(flag if value is None else f"{flag} {value}" for flag, value in fit.reduced)
+    kv = ", FP8 KV" if fit.knobs.kv_dtype.startswith("fp8") else ""
+    draft.warnings.append(
+        f"reduced plan: with vLLM's default batch {problem.model.name} leaves no room for the KV cache on "
+        f"{problem.hardware}; {flags}{kv} leave {fit.max_concurrency} sequence(s) of {fit.max_model_len:,} tokens; "
+        "more or larger GPUs serve longer contexts, more requests at once and full speed"
+    )
 
 
 def _long_prefill_flags(knobs: Knobs, draft: Draft) -> None:
@@ -280,6 +299,9 @@ def _idle_gpu_warnings(problem: Problem, fit: Fit) -> list[str]:
 
 
 def _architecture_warnings(quantization: str | None, gpus: GpuInventory, knobs: Knobs) -> list[str]:
+    if gpus.assumed:
+        # Nothing is known of the board but its memory: no claim about its kernels, only the assumption.
+        return [gpus.assumed]
     warnings = []
     if "fp8" in (quantization or "") and not gpus.fp8:
         warnings.append(

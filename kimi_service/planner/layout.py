@@ -8,6 +8,10 @@
   throughput plans take it when the TP x PP fit already needs every GPU there is (the same GPUs then hold
   more KV) and it holds more KV tokens at no shorter context; an operator's --data-parallel-size
   asks for it outright, and is refused with the reason when it does not fit.
+- Reduced: when nothing fits with vLLM's defaults (a 70B FP8 checkpoint on one 80 GB card, a 24 GB card),
+  a smaller batch (REDUCED_BATCH: fewer sequences scheduled at once, shorter prefill chunks) gives its
+  activation and sampler reserve to the KV cache, then CUDA graphs' memory (--enforce-eager); the plan says
+  what each costs. Flags the operator set are left as set.
 - FP8 KV: where the GPU has FP8 (compute capability 8.9 and up) and the KV cache, not compute, bounds
   the plan (it cannot hold the workload's target of sequences at the context asked for, or the model's
   native one), FP8 KV is planned when it holds more. An operator's --kv-cache-dtype always wins.
@@ -32,9 +36,21 @@ from kimi_service.planner.fit import (
     try_fit,
     valid_tensor_parallel,
 )
+from kimi_service.planner.overrides import Overrides
 from kimi_service.planner.render import gib, size
 
 DATA_PARALLEL_WORKLOADS = ("chat", "throughput")
+# The batch a reduced plan schedules: vLLM's profiling reserves activations for max_num_batched_tokens and
+# float32 logits for max_num_seqs; these shrink that reserve about fourfold against the defaults (8,192
+# tokens; 256 or 1,024 sequences).
+REDUCED_BATCH = (("--max-num-seqs", "64"), ("--max-num-batched-tokens", "2048"))
+_REDUCED_WHY = {
+    "--max-num-seqs": "reduced plan: at most {value} requests run at once (vLLM's default is 256 or 1,024), which "
+                      "shrinks the sampler's reserve; the rest wait in the queue",
+    "--max-num-batched-tokens": "reduced plan: prompts are prefilled in {value}-token chunks (vLLM's default "
+                                "8,192), which shrinks the activation reserve; long prompts take longer to start",
+    "--enforce-eager": "reduced plan: no CUDA graphs, their memory goes to the KV cache; decoding is slower",
+}
 FP8_KV_NEVER = ("latency",)  # few short sequences: the cache is not the bound, FP8 dequant would cost time
 
 
@@ -100,8 +116,10 @@ def _with_kv_dtype(problem: Problem, group: Parallelism | None) -> Fit | None:
     )
     cc = f"{gpus.compute_capability[0]}.{gpus.compute_capability[1]}"
     if not gpus.fp8:
-        note = (f"auto: KV-bound (with BF16 KV the plan {held}), but {gpus.name} (compute capability {cc}) has no "
-                "FP8; vLLM's FP8 KV cache is not planned there")
+        hardware = (f"{gpus.name} is not in the GPU table, so its FP8 support is unknown (pass --kv-cache-dtype "
+                    "fp8 if it has FP8)" if gpus.assumed else f"{gpus.name} (compute capability {cc}) has no FP8")
+        note = (f"auto: KV-bound (with BF16 KV the plan {held}), but {hardware}; vLLM's FP8 KV cache is not "
+                "planned there")
         return fit if fit is None else replace(fit, notes=(*fit.notes, ("kv-cache-dtype", note)))
     fp8_problem = replace(problem, kv_dtype="fp8")
     if fit is None:
@@ -151,12 +169,32 @@ def _operator_data_parallel(problem: Problem) -> Fit:
     return replace(fit, choice=f"operator's --data-parallel-size {group.data}")
 
 
+def _reduced(problem: Problem) -> Fit | None:
+    """The TP x PP fit with a smaller batch, then also without CUDA graphs; None when neither fits. The
+    fit's notes name each flag the planner added and what it costs. Not for dual chunk attention, whose
+    long contexts need their model card's prefill chunks (fit.LONG_PREFILL_TOKENS)."""
+    if problem.model.dual_chunk_attention:
+        return None
+    steps = (REDUCED_BATCH, (*REDUCED_BATCH, ("--enforce-eager", None)))
+    for pairs in steps:
+        added = tuple((flag, value) for flag, value in pairs if flag not in problem.overrides)
+        if not added:
+            continue
+        fit = _with_kv_dtype(replace(problem, overrides=Overrides(problem.overrides.pairs + added)), None)
+        if fit is not None:
+            notes = tuple((flag, _REDUCED_WHY[flag].format(value=value)) for flag, value in added)
+            return replace(fit, notes=(*fit.notes, *notes), reduced=added)
+    return None
+
+
 def choose(problem: Problem) -> Fit | None:
     """The layout and KV dtype for the problem, or None when nothing fits (the caller says why)."""
     if "--data-parallel-size" in problem.overrides and (problem.overrides.integer("--data-parallel-size") or 0) > 1:
         return _operator_data_parallel(problem)
     fit = _with_kv_dtype(problem, None)
-    if fit is None or not _data_parallel_wanted(problem, fit):
+    if fit is None:
+        return _reduced(problem)
+    if not _data_parallel_wanted(problem, fit):
         return fit
     group = data_parallel_group(problem)
     if group is None:

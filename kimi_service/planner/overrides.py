@@ -49,7 +49,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str | None]]:
 
 def parse_byte_count(text: str | None, flag: str) -> int:
     """vLLM's human-readable integers: `256M` is 256 MiB, `256m` is 256 million bytes."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", (text or "").strip())
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", (text or "").strip(), re.ASCII)
     if not match:
         raise UsageError(f"override {flag} needs a byte count such as 268435456 or 256M, got {text!r}")
     number, suffix = match.groups()
@@ -84,7 +84,7 @@ class Overrides:
         if flag not in self:
             return None
         text = self.get(flag)
-        if text is None or not text.isdigit() or int(text) < 1:
+        if text is None or not (text.isascii() and text.isdigit()) or int(text) < 1:
             raise UsageError(f"override {flag} needs a positive whole number, got {text!r}")
         return int(text)
 

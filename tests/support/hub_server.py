@@ -72,6 +72,8 @@ class HubServer:
     port: int = 0
     commit: str = COMMIT
     token: str = ""
+    # True: the listing answers without the token, the files need it (the hub's gated repositories).
+    gated: bool = False
     faults: dict[str, Fault] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
     rate: int | None = None  # bytes per second per response
@@ -164,7 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.hub
         parts = urlsplit(self.path)
         path, query = unquote(parts.path), parse_qs(parts.query)
-        if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
+        listing = path.startswith("/api/")
+        if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}" and not (hub.gated and listing):
             return self._json(401, {"error": "Invalid credentials in Authorization header"}, head)
         repo = hub.repo
         if path.startswith(f"/api/models/{repo}/revision/") and "hf" in hub.listings:
