@@ -30,7 +30,7 @@ SERVED_NAME = "kimi-demo"
 
 
 # No kimi_api_key is given: the play makes one beside the demo's inventory, as for any operator.
-API_KEY_FILE = STATE_DIR / "credentials" / "kimi-api-key"
+API_KEY_FILE = STATE_DIR / ".credentials" / "kimi-api-key"
 
 
 def up(extra_args: list[str]) -> int:

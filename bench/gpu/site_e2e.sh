@@ -350,9 +350,9 @@ print(2 * kimi_model.index(kimi_model.shape_named(sys.argv[1]).config())["metada
     "$PYTHON" bench/gpu/make_model.py "$KIMI_SRC" --shape "$KIMI_SHAPE"
     du -sh "$KIMI_SRC"
     write_inventory "$MOE_INVENTORY" "e2e/$KIMI_SHAPE" "$KIMI_SRC" "    kimi_preflight_disk_headroom_gb: 5"
-    log "site.yml with $KIMI_SHAPE (in the background; this call waits up to 480 s, section wait waits again)"
+    log "site.yml with $KIMI_SHAPE (in the background; this call waits up to ${KIMI_WAIT:-480} s, section wait waits again)"
     local rc=0
-    background_site kimi "$MOE_INVENTORY" 480 || rc=$?
+    background_site kimi "$MOE_INVENTORY" "${KIMI_WAIT:-480}" || rc=$?
     moe_report
     return $rc
 }

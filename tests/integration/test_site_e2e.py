@@ -95,7 +95,7 @@ def quick_start(host, site_vars, gateway, tmp_path_factory) -> QuickStart:
         if entry.name not in ("inventory", ".git"):
             (checkout / entry.name).symlink_to(entry)
     shutil.copytree(PROJECT_ROOT / "inventory", checkout / "inventory",
-                    ignore=shutil.ignore_patterns("credentials", "mine"))
+                    ignore=shutil.ignore_patterns(".credentials", "credentials", "mine"))
     # Test-only settings, in the group the example documents every variable in; the operator's own
     # address comes from the quick start's edit (allowed through the firewall), not from here.
     test_only = {key: value for key, value in site_vars.items() if key != "kimi_firewall_allowed_cidrs"}
@@ -130,8 +130,9 @@ def first_converge(quick_start):
 
 @pytest.fixture(scope="module")
 def api_key(first_converge, inventory) -> str:
-    """The key the play made: in the inventory's credentials/ (git-ignored), 0600, reused by every later run."""
-    path = inventory / "credentials" / "kimi-api-key"
+    """The key the play made: in the inventory's .credentials/ (git-ignored, never read as inventory), 0600,
+    reused by every later run."""
+    path = inventory / ".credentials" / "kimi-api-key"
     assert path.is_file(), f"no key was made in {path}\n{first_converge}"
     assert path.stat().st_mode & 0o777 == 0o600
     return path.read_text().strip()
@@ -168,8 +169,11 @@ def test_site_converges(first_converge, host, inventory, api_key):
     assert first_converge.returncode == 0, str(first_converge)
     assert first_converge.recap and all(h["failed"] == 0 for h in first_converge.recap.values()), str(first_converge)
     assert re.search(r"endpoint: +http://\S+:8000/v1", first_converge.output), "verify prints the endpoint"
-    assert f"key in {inventory}/credentials/kimi-api-key on the controller" in first_converge.said
-    assert (inventory / "credentials" / ".gitignore").read_text().strip() == "*"
+    assert f"key in {inventory}/.credentials/kimi-api-key on the controller" in first_converge.said
+    assert "*" in (inventory / ".credentials" / ".gitignore").read_text().splitlines()
+    assert len(api_key) >= 40 and api_key not in first_converge.output
+    assert host.ssh("systemctl is-active kimi-vllm kimi-exporter kimi-health.timer kimi-firewall").stdout.split() == [
+        "active"] * 4
 
 
 def test_the_quick_starts_request_is_answered(first_converge):
@@ -177,9 +181,6 @@ def test_the_quick_starts_request_is_answered(first_converge):
     answer = json.loads(first_converge.stdout.rstrip().splitlines()[-1])
     assert answer["choices"][0]["message"]["content"] is not None, str(first_converge)
     assert answer["usage"]["completion_tokens"] <= 64
-    assert len(api_key) >= 40 and api_key not in first_converge.output
-    assert host.ssh("systemctl is-active kimi-vllm kimi-exporter kimi-health.timer kimi-firewall").stdout.split() == [
-        "active"] * 4
 
 
 def test_second_run_changes_nothing(first_converge, inventory):

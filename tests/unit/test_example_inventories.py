@@ -97,7 +97,35 @@ def test_the_play_keeps_the_key_it_makes_out_of_the_inventorys_own_git_repositor
     }]))
     run = ansible_playbook(playbook, inventory, timeout=300)
     assert run.returncode == 0, str(run)
-    assert (tmp_path / "credentials/kimi-api-key").is_file(), str(run)
+    assert (tmp_path / ".credentials/kimi-api-key").is_file(), str(run)
     untracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
                                capture_output=True, text=True, check=True).stdout.split("\n")
     assert sorted(line for line in untracked if line) == ["?? hosts.yml", "?? play.yml"]
+
+
+def test_the_key_is_never_read_as_inventory_and_a_key_made_in_credentials_moves(tmp_path):
+    """Ansible reads every file under an inventory directory as inventory: a key in <inventory>/credentials/
+    (where earlier versions made it) became a host named after the key, printed by every play. The key
+    lives in the hidden .credentials/ now, and an old one moves there, unchanged."""
+    inventory = tmp_path / "inventory"
+    inventory.mkdir()
+    (inventory / "hosts.yml").write_text(json.dumps({"kimi_hosts": {"hosts": {"gpu-1": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}))
+    old = inventory / "credentials" / "kimi-api-key"
+    old.parent.mkdir()
+    key = "k" * 24 + "0123456789abcdefghijklmn"
+    old.write_text(key)
+    old.chmod(0o600)
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "hosts": "kimi_hosts", "gather_facts": False, "roles": ["kimi_common"],
+        "tasks": [{"name": "Use the key", "ansible.builtin.assert": {"that": f"kimi_api_key_effective == '{key}'"}},
+                  {"name": "List the inventory", "ansible.builtin.debug": {"msg": "{{ groups['all'] }}"}}],
+    }]))
+    first = ansible_playbook(playbook, inventory, timeout=300)
+    assert first.returncode == 0, str(first)
+    assert not old.exists() and (inventory / ".credentials/kimi-api-key").read_text() == key
+    again = ansible_playbook(playbook, inventory, timeout=300)
+    assert again.returncode == 0 and again.changed == 0, str(again)
+    assert key in first.output, "the old place was not read as inventory: this test no longer shows the fault"
+    assert key not in again.output and list(again.recap) == ["gpu-1"], str(again)

@@ -91,7 +91,8 @@ def test_the_weights_on_another_filesystem_than_the_state_are_checked_there():
     ])
     holds, message = _check(measured, 15)
     assert not holds
-    assert message.startswith("/data has 10.0 GiB free and needs 35.0 GiB: the weights at /data/models/org/m@main,")
+    assert message.startswith("Not enough disk space. /data has 10.0 GiB free and needs 35.0 GiB: "
+                              "the weights at /data/models/org/m@main,")
     assert "plus 20 GiB headroom (kimi_preflight_disk_headroom_gb)." in message and "venv" not in message, message
 
 
@@ -100,7 +101,7 @@ def test_paths_on_one_filesystem_add_their_needs_up():
     measured = _on_root((15, 0), venv_held=0, cache_held=0, free=45)
     holds, message = _check(measured, 15)
     assert not holds
-    assert message.startswith("/ has 45.0 GiB free and needs 50.0 GiB:"), message
+    assert message.startswith("Not enough disk space. / has 45.0 GiB free and needs 50.0 GiB:"), message
     assert "the runtime's venv under /opt/kimi-service, 10 GiB (kimi_preflight_venv_size_gb);" in message
     assert "the engine's caches at /var/lib/kimi-service/cache, 5 GiB (0.0 GiB of it already there;" in message
     assert _check(measured.replace(str(45 * GIB), str(50 * GIB)), 15)[0]
@@ -149,7 +150,7 @@ def test_the_script_measures_each_path_on_its_own_filesystem(tmp_path):
     shm_free = int(lines[0][1]) / GIB
     holds, message = _check(measured, shm_free + 1, kimi_preflight_disk_headroom_gb=0,
                             kimi_preflight_venv_size_gb=0, kimi_preflight_cache_size_gb=0)
-    assert not holds and message.startswith(f"/dev/shm has {shm_free:.1f} GiB free"), message
+    assert not holds and message.startswith(f"Not enough disk space. /dev/shm has {shm_free:.1f} GiB free"), message
 
 
 def test_a_refusal_names_the_copies_of_other_models_and_their_sizes(tmp_path):
