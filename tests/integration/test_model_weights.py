@@ -181,3 +181,28 @@ def test_fanout_gets_through_the_first_hosts_firewall_only_while_it_copies(conve
         listed = first.ssh(f"nft list set inet kimi_service fanout_transfer_{family}").stdout
         assert "elements" not in listed, listed  # closed again
     assert "kimi-weights-fanout" not in first.ssh("systemctl list-units --all --no-legend").stdout
+
+
+def test_preflight_plans_the_hub_model_and_the_weights_stage_fetches_only_that_commit(converged, inventory, hub):
+    """kimi-test/tiny-llama is in no catalog: preflight plans it on the controller from the hub's listing and
+    small files (no weight byte), and records the commit it read; the weights stage takes that commit and
+    no other, so a branch that moved between the plan and the fetch is named, not fetched. Last in this
+    module: it moves the hub's branch."""
+    hub.log.clear()
+    plan = ansible_playbook("playbooks/preflight.yml", inventory,
+                            extra_vars={"kimi_preflight_gpus": "H100-SXM5-80GB:1"})
+    assert plan.returncode == 0, str(plan)
+    assert ("preflight : Record the plan and the commit it read for later stages", "ok") in plan.task_statuses()
+    files = [r.path.rsplit("/", 1)[1] for r in hub.log if r.method == "GET" and "/resolve/" in r.path]
+    assert "config.json" in files and not [f for f in files if f.endswith(".safetensors")], files
+    assert "hf_test_token_never_logged" not in plan.output
+    planned = hub.commit
+    same = ansible_playbook("playbooks/weights.yml", inventory, "-e", f"kimi_model_planned_commit={planned}")
+    assert same.returncode == 0 and same.changed == 0, str(same)
+    hub.commit = "b" * 40  # main moved after the plan
+    try:
+        moved = ansible_playbook("playbooks/weights.yml", inventory, "-e", f"kimi_model_planned_commit={planned}")
+    finally:
+        hub.commit = planned
+    assert moved.returncode != 0
+    assert planned in moved.said and "b" * 40 in moved.said, str(moved)
