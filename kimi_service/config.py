@@ -338,11 +338,14 @@ def _extra_args(section: _Section) -> tuple[str, ...]:
 
 def _served_name(section: _Section, default: str) -> str:
     """One argv item after --served-model-name: a leading `-` would read as a flag, a newline as two
-    lines of the unit's environment."""
+    lines of the unit's environment, a lone surrogate as a failed write wherever the name goes."""
     name = section.string("served_name", default)
     if not name.strip() or name.startswith("-") or name != name.strip():
         raise ConfigError(f"{section.key('served_name')}: {_show(name)} cannot be a served model name; use a "
                           "name without surrounding blanks that does not start with '-'")
+    if not name.isprintable():  # also a lone surrogate, which no UTF-8 writer can encode
+        raise ConfigError(f"{section.key('served_name')}: {_show(name)} holds a character that is not printable "
+                          "(a lone surrogate, a format or control character); use printable text")
     return name
 
 

@@ -25,7 +25,7 @@ from kimi_service import health
 from kimi_service import nvml as nvml_reader
 from kimi_service.errors import UsageError
 from kimi_service.http_limits import IDLE_TIMEOUT, server_class
-from kimi_service.untrusted import read_json
+from kimi_service.untrusted import MAX_COUNT, read_json
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ HEALTH_VALUES = {health.OK: 0, health.DEGRADED: 1, health.DOWN: 2}
 # DP+EP plan as TP 1, PP 1.
 PLAN_LABELS = ("model", "parallelism", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                "max_model_len", "kv_cache_tokens", "vllm_version")
+# plan.json's text as a label: a model name, a layout, a version are far shorter.
+MAX_LABEL_CHARS = 200
 
 
 class XidWatcher:
@@ -186,6 +188,7 @@ class KimiCollector(Collector):
         self._lock = threading.Lock()
         self._scrape_errors = 0
         self._last_duration = 0.0
+        self._plan_refused: dict[str, str] = {}
 
     def _session(self) -> ModuleType:
         # Retried on every scrape, so the exporter recovers once a reboot fixes a driver mismatch.
@@ -296,18 +299,59 @@ class KimiCollector(Collector):
         info = GaugeMetricFamily("kimi_plan_info", "The plan kimi-service serve runs vLLM with (value 1).",
                                  labels=PLAN_LABELS)
         keys = {"model": "served_model_name"}
-        info.add_metric([str(plan.get(keys.get(k, k), "")) for k in PLAN_LABELS], 1.0)
-        yield info
+        refused: dict[str, str] = {}
+        labels = []
+        for label in PLAN_LABELS:
+            key = keys.get(label, label)
+            text, why = _plan_label(plan.get(key, ""))
+            labels.append(text)
+            if why:
+                refused[key] = why
+        info.add_metric(labels, 1.0)
         tokens = GaugeMetricFamily("kimi_kv_cache_tokens", "KV cache size in tokens: planned, and measured "
                                    "(what vLLM allocated, once it is ready).", labels=["source"])
         for source, key in (("planned", "kv_cache_tokens"), ("measured", "kv_cache_tokens_measured")):
-            if isinstance(plan.get(key), int):
-                tokens.add_metric([source], plan[key])
+            value = plan.get(key)
+            if not _is_int(value):
+                continue
+            if 0 <= value <= MAX_COUNT:
+                tokens.add_metric([source], value)
+            else:
+                refused[key] = f"a count outside 0 to {MAX_COUNT}"
+        self._log_refused(refused)
+        yield info
         yield tokens
+
+    def _log_refused(self, refused: dict[str, str]) -> None:
+        """One log line per value plan.json holds that no series may carry, while it is there."""
+        for key, why in refused.items():
+            if self._plan_refused.get(key) != why:
+                log.warning("%s: %s is %s; left out of the plan series", self._plan_file, key, why)
+        self._plan_refused = refused
 
     def close(self) -> None:
         if self._xids:
             self._xids.stop()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plan_label(value: Any) -> tuple[str, str | None]:
+    """A plan.json value as a label value; or a blank one and why the value cannot be one: a number no
+    count reaches, or text no scrape can carry. prometheus_client escapes backslashes, quotes and newlines
+    itself; a lone surrogate it cannot encode, and one would fail every scrape."""
+    if _is_int(value) and not 0 <= value <= MAX_COUNT:
+        return "", f"a count outside 0 to {MAX_COUNT}"
+    text = str(value)
+    if len(text) > MAX_LABEL_CHARS:
+        return "", f"longer than {MAX_LABEL_CHARS} characters"
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return "", "text that is not UTF-8 (a lone surrogate)"
+    return text, None
 
 
 def build_registry(collector: KimiCollector) -> CollectorRegistry:

@@ -120,6 +120,18 @@ class SafeDir:
         except FileNotFoundError:
             return None
 
+    def entries(self, rel: str) -> list[tuple[str, os.stat_result]] | None:
+        """The names in directory `rel` with what each is (links not followed); None when it is no directory
+        of this tree (missing, or a link put in its place)."""
+        fd = self.subdir(rel, create=False)
+        if fd is None:
+            return None
+        found = []
+        for name in sorted(os.listdir(fd)):
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                found.append((name, os.lstat(name, dir_fd=fd)))
+        return found
+
     def remove(self, rel: str) -> None:
         parent_rel, name = _split(rel)
         parent = self.subdir(parent_rel, create=False)

@@ -5,14 +5,13 @@ Tuning starts the engine once per candidate flag set, sweeps it with the operato
 closed loop at each concurrency, its exact-length prompts, for each request shape of a mix) and stops it:
 
 1. the plan as it is, the baseline;
-2. the plan plus one speed change each (the workload's trial values, smaller prefill chunks where long
-   prompts meet an ITL objective, CUDA graphs captured only up to the workload's concurrency, a batch cap
-   at it, larger prefill chunks for long prompts, async scheduling where the engine does not default to it,
-   FP8 KV where the GPU has it and the cache is what bounds the workload, the catalog's draft model when
-   its weights are on the host, or the operator's own `--candidate` sets), likeliest first, since the
-   budget may end the list;
-3. the plan again: its two runs are the baseline, and a drift between them widens its bands;
-4. the next value of each winning flag while it keeps winning (a winning `--max-num-seqs 128`: 256), then
+2. vLLM's defaults: the plan's memory and correctness flags alone (`tune_candidates.DEFAULTS`), a reference
+   row judged like any candidate and never applied;
+3. the plan plus one speed change each (`tune_candidates.trial_candidates`, or the operator's own
+   `--candidate` sets), likeliest first, since the budget may end the list; a speculative-decoding winner
+   is reported and applied only with `--allow-speculative`;
+4. the plan again: its two runs are the baseline, and a drift between them widens its bands;
+5. the next value of each winning flag while it keeps winning (a winning `--max-num-seqs 128`: 256), then
    every change that won, together (of two values of one flag, the better one's).
 
 Each level sends at least 64 requests and 4 per client. Each point (request shape, concurrency) gets a
@@ -50,7 +49,13 @@ from kimi_service.engine_flags import check_extra_args, option_name
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.files import write_atomic
 from kimi_service.http_client import client_for
-from kimi_service.planner.budget import DEFAULT_BATCHED_TOKENS
+from kimi_service.tune_candidates import (
+    DEFAULTS,
+    HELD_BACK_SPECULATIVE,
+    SPECULATIVE_OPTION,
+    defaults_argv,
+    trial_candidates,
+)
 from kimi_service.tune_report import format_table, write_plot
 from kimi_service.tune_stats import (
     CONFIDENCE,
@@ -72,16 +77,10 @@ from kimi_service.tune_stats import (
 )
 from kimi_service.tuned import TUNED_FILE, Workload, configuration_key, read_tuned
 from kimi_service.untrusted import read_json
-from kimi_service.workloads import PROFILES
 
 MIN_REQUESTS = 64  # requests per level at least, and at least
 REQUESTS_PER_CLIENT = 4  # this many per client: one slow request must not swing a level's goodput far
 START_TIMEOUT_S = 1800.0
-SHORT_PREFILL_TOKENS = 2048  # prefill chunks that keep decode steps short; prompts longer than this are long
-LONG_PREFILL_TOKENS = 16384  # and chunks that prefill them in fewer, larger steps
-# vLLM 0.21 logs "Asynchronous scheduling is enabled" with no flag given: the candidate would be the
-# baseline measured again.
-ASYNC_SCHEDULING_DEFAULT_SINCE = (0, 21)
 
 
 def parse_duration(text: str) -> float:
@@ -95,70 +94,9 @@ def parse_duration(text: str) -> float:
     return value
 
 
-def _version(text: str | None) -> tuple[int, ...]:
-    """`0.21.0` -> (0, 21): major and minor; unknown or unparsable reads as the newest."""
-    found = re.match(r"(\d+)\.(\d+)", text or "")
-    return (int(found.group(1)), int(found.group(2))) if found else (10**6,)
-
-
-def trial_candidates(
-    plan: dict[str, Any], workload: Workload, *, gpu_fp8: bool = False, draft: catalog.Speculative | None = None,
-    draft_dir: Path | None = None,
-) -> list[Candidate]:
-    """The single changes worth measuring for this plan and workload; none that the plan already sets.
-    `draft` is the catalog's draft model for this model, `draft_dir` where its weights are on this host."""
-    argv = plan.get("argv") or []
-    has = {option_name(token) for token in argv if token.startswith("-")}
-    profile = PROFILES.get(plan.get("workload") or "chat", PROFILES["chat"])
-    top = max(workload.concurrency)
-    longest_prompt = max(shape.input_len + shape.shared_prefix_len for shape in workload.shapes)
-    longest = max(shape.input_len + shape.shared_prefix_len + shape.output_len for shape in workload.shapes)
-    found: list[Candidate] = []
-
-    def add(name: str, flags: tuple[str, ...], why: str) -> None:
-        if option_name(flags[0]) not in has and all(c.flags != flags for c in found):
-            found.append(Candidate(name, flags, why))
-
-    if profile.trial_max_num_seqs:
-        add("max-num-seqs", ("--max-num-seqs", str(profile.trial_max_num_seqs)),
-            f"the {profile.name} workload's batch size ({profile.why})")
-    if profile.trial_batched_tokens:
-        add("max-num-batched-tokens", ("--max-num-batched-tokens", str(profile.trial_batched_tokens)),
-            f"the {profile.name} workload's prefill chunk ({profile.why})")
-    step_bound = ("ITL", workload.slo.itl) if workload.slo.itl else ("TPOT", workload.slo.tpot)
-    if step_bound[1] and top > 1 and longest_prompt > SHORT_PREFILL_TOKENS:
-        # A decode step that shares its batch with a full default chunk of someone's prompt takes as long
-        # as that prefill; with many clients and long prompts that is most steps, and each can break an ITL
-        # or TPOT objective. Smaller chunks keep steps short at some cost in time to first token.
-        add("short-prefill-chunks", ("--max-num-batched-tokens", str(SHORT_PREFILL_TOKENS)),
-            f"prompts of up to {longest_prompt:,} tokens prefilled {SHORT_PREFILL_TOKENS:,} at a time (vLLM's "
-            f"default chunk is {DEFAULT_BATCHED_TOKENS:,}): decode steps that share a batch with a prefill stay "
-            f"short, for the SLO's {step_bound[0]} <= {step_bound[1]} s")
-    if plan.get("engine") == "cuda" and top < 512:
-        add("cuda-graphs-to-load", ("--max-cudagraph-capture-size", str(max(top, 8))),
-            f"CUDA graphs captured only up to the {top} clients: a faster start, more KV cache")
-    add("max-num-seqs-at-load", ("--max-num-seqs", str(max(top, 8))),
-        f"batches no larger than the {top} clients: smaller activation reserve, more KV cache")
-    if longest_prompt >= SHORT_PREFILL_TOKENS:
-        add("long-prefill-chunks", ("--max-num-batched-tokens", str(LONG_PREFILL_TOKENS)),
-            "long prompts: fewer, larger prefill chunks")
-    if plan.get("engine") == "cuda":
-        if _version(plan.get("vllm_version")) < ASYNC_SCHEDULING_DEFAULT_SINCE:
-            add("async-scheduling", ("--async-scheduling",), "schedules the next step while the GPU runs this one")
-        if gpu_fp8 and plan.get("kv_cache_dtype") in (None, "auto") and \
-                plan.get("kv_cache_tokens", 0) < top * longest * 2:
-            add("fp8-kv-cache", ("--kv-cache-dtype", "fp8"),
-                "the KV cache bounds this workload: FP8 halves its bytes per token")
-    if draft and draft_dir is not None and plan.get("pipeline_parallel_size", 1) == 1:
-        config = {"model": str(draft_dir), "method": draft.method,
-                  "num_speculative_tokens": draft.num_speculative_tokens}
-        add("speculative", ("--speculative-config", json.dumps(config, separators=(",", ":"))),
-            f"{draft.method} draft {draft.model} ({draft.source})")
-    return found
-
-
-def operator_candidates(specs: Sequence[str]) -> list[Candidate]:
-    """`--candidate "--max-num-seqs 64"`: each a flag set the operator wants measured."""
+def operator_candidates(specs: Sequence[str], allow_speculative: bool = False) -> list[Candidate]:
+    """`--candidate "--max-num-seqs 64"`: each a flag set the operator wants measured (one that sets
+    --speculative-config applied only with `allow_speculative`, as tune's own)."""
     found = []
     for spec in specs:
         flags = tuple(spec.split())
@@ -168,7 +106,9 @@ def operator_candidates(specs: Sequence[str]) -> list[Candidate]:
             check_extra_args(flags, "--candidate")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        found.append(Candidate(" ".join(flags), flags, "asked for by the operator"))
+        speculative = not allow_speculative and SPECULATIVE_OPTION in {option_name(token) for token in flags}
+        found.append(Candidate(" ".join(flags), flags, "asked for by the operator",
+                               held_back=HELD_BACK_SPECULATIVE if speculative else None))
     return found
 
 
@@ -212,8 +152,8 @@ def _drift(baselines: Sequence[Measurement], slo: Slo) -> list[str]:
 
 def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_s: float, slo: Slo, *,
            log: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic) -> Outcome:
-    """The plan, each single change, the plan again; then the next values of the winners and the winners
-    together: within the budget, resumable."""
+    """The plan, vLLM's defaults, each single change, the plan again; then the next values of the winners and
+    the winners together: within the budget, resumable. A held-back candidate is judged, never applied."""
     started = clock()
     reused = 0
 
@@ -224,7 +164,8 @@ def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_
             reused += 1
             log(f"{candidate.name}: measured earlier ({earlier.total_s:.0f} s then), not measured again")
             return earlier
-        log(f"{candidate.name}: starting the engine with {' '.join(candidate.flags) or 'the plan alone'}")
+        alone = "the plan's memory and correctness flags alone" if candidate.replaces_plan else "the plan alone"
+        log(f"{candidate.name}: starting the engine with {' '.join(candidate.flags) or alone}")
         result = measure(candidate)
         store.save(result)
         return result
@@ -256,7 +197,7 @@ def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_
         return measured[-1]
 
     # Room is kept for the plan's second run: without it no candidate can be judged.
-    singles_run = [run(c) for c in singles if within_budget(c, reserve=cost())]
+    singles_run = [run(c) for c in (DEFAULTS, *singles) if within_budget(c, reserve=cost())]
     if singles_run:
         baselines.append(run(replace(PLAN, name="plan (again)", run=1)))
     drift = _drift(baselines, slo)
@@ -271,20 +212,22 @@ def search(singles: Sequence[Candidate], measure: Measure, store: Store, budget_
         log(f"{result.candidate.name}: {measured[-1][1].decision} ({measured[-1][1].reason})")
     for single, verdict in list(measured):
         best = verdict
-        following = single.candidate.next_value() if verdict.wins else None
+        following = single.candidate.next_value() if verdict.wins and not single.candidate.held_back else None
         while following is not None and within_budget(following):
             _, verdict = judged(following)
             if not (verdict.wins and verdict.score > best.score):
                 break
             best, following = verdict, following.next_value()
-    winners = _one_per_option([m for m, v in sorted(measured, key=lambda pair: -pair[1].score) if v.wins])
+    winners = _one_per_option([m for m, v in sorted(measured, key=lambda pair: -pair[1].score)
+                               if v.wins and not m.candidate.held_back])
     if len(winners) > 1:
         flags = tuple(flag for m in winners for flag in m.candidate.flags)
         combined = Candidate(" + ".join(m.candidate.name for m in winners), flags,
                              "every single change that won, together (of two values of one flag, the better)")
         if within_budget(combined):
             judged(combined)
-    best_pair = max(((m, v) for m, v in measured if v.wins), key=lambda pair: pair[1].score, default=None)
+    best_pair = max(((m, v) for m, v in measured if v.wins and not m.candidate.held_back),
+                    key=lambda pair: pair[1].score, default=None)
     return Outcome(baselines, measured, skipped, best_pair[0] if best_pair else baselines[0], reused, drift,
                    noise)
 
@@ -370,7 +313,8 @@ def tuned_document(outcome: Outcome, key: str, workload: Workload) -> dict[str, 
                      "points": [_band_json(point, band) for point, band in baseline.items()]},
         "candidates": [{"name": m.candidate.name, "flags": list(m.candidate.flags), "decision": v.decision,
                         "score": round(v.score, 4), "reason": v.reason, "start_s": round(m.start_s, 1),
-                        "points": [_band_json(p.point, p.candidate, p.decision) for p in v.points]}
+                        "points": [_band_json(p.point, p.candidate, p.decision) for p in v.points],
+                        **({"held_back": m.candidate.held_back} if m.candidate.held_back else {})}
                        for m, v in outcome.measured],
         "skipped": [{"name": c.name, "flags": list(c.flags), "reason": why} for c, why in outcome.skipped],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -386,6 +330,8 @@ class EngineRun:
 
         tried = replace(config, plan=replace(config.plan, extra_args=(*config.plan.extra_args, *candidate.flags)))
         self.launch = launcher.prepare(tried, apply_tuned=False)
+        if candidate.replaces_plan:
+            self.launch = replace(self.launch, argv=defaults_argv(self.launch.argv))
         self.config, self.log_path = config, log_path
 
     def __enter__(self) -> EngineRun:
@@ -453,9 +399,11 @@ def engine_measure(config: Config, workload: Workload, api_key: str | None, logs
 class Session:
     """One `kimi-service tune`: the plan without tuned flags, its configuration key, the candidates."""
 
-    def __init__(self, config: Config, workload: Workload, budget_s: float, candidate_specs: Sequence[str] = ()):
+    def __init__(self, config: Config, workload: Workload, budget_s: float, candidate_specs: Sequence[str] = (),
+                 allow_speculative: bool = False):
         from kimi_service import launcher
         from kimi_service.model import inspect_model
+        from kimi_service.planner.budget import default_max_num_seqs
 
         self.config, self.workload, self.budget_s = config, workload, budget_s
         self.plan = launcher.prepare(config, apply_tuned=False).plan_document
@@ -464,14 +412,17 @@ class Session:
         self.tuned_path = config.paths.state_dir / TUNED_FILE
         self.store = Store(config.paths.state_dir / "tune", self.key)
         if candidate_specs:
-            self.singles = operator_candidates(candidate_specs)
+            self.singles = operator_candidates(candidate_specs, allow_speculative)
         else:
             spec = inspect_model(str(config.model.path), config.model.origin)
             entry = catalog.get(spec.catalog_name) if spec.catalog_name else None
             draft = entry.speculative if entry else None
+            gpus = launcher.discover(config)
             self.singles = trial_candidates(
-                self.plan, workload, gpu_fp8=launcher.discover(config).fp8, draft=draft,
-                draft_dir=self._local_model(draft.model) if draft else None)
+                self.plan, workload, gpu_fp8=gpus.fp8, draft=draft,
+                draft_dir=self._local_model(draft.model) if draft else None,
+                vllm_max_num_seqs=None if gpus.is_cpu else default_max_num_seqs(gpus),
+                allow_speculative=allow_speculative)
 
     def _local_model(self, repo_id: str) -> Path | None:
         """A draft model fetched beside the served one (STATE_DIR/models/REPO@REVISION), if any."""

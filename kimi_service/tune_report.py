@@ -9,6 +9,7 @@ from typing import Any
 
 from kimi_service.bench import Slo
 from kimi_service.plots import pyplot
+from kimi_service.tune_candidates import DEFAULTS
 from kimi_service.tune_stats import CONFIDENCE, FLOOR, RESAMPLES, Outcome, level_map, measured_bands
 
 
@@ -31,6 +32,8 @@ def format_table(outcome: Outcome, slo: Slo) -> str:
     for m, bands, verdict in rows:
         by = level_map(m.levels)
         said = baseline_said if verdict is None else f"{verdict.decision.upper()}: {verdict.reason}"
+        if verdict is not None and m.candidate.held_back:
+            said = f"not applied ({m.candidate.held_back}); " + said
         if m is outcome.winner:
             said = "<- applied: " + said
         for row, traffic in enumerate(traffics):
@@ -45,7 +48,8 @@ def format_table(outcome: Outcome, slo: Slo) -> str:
     lines.append(f"goodput: requests/s that met the SLO ({slo.describe()}); [band]: the central {CONFIDENCE:.0%} "
                  f"of {RESAMPLES} bootstrap resamples of its requests. A candidate wins at a point when its band "
                  f"lies above the baseline's, loses when below {FLOOR}x it; it is applied when it wins somewhere "
-                 "and loses nowhere")
+                 f"and loses nowhere. {DEFAULTS.name!r}: vLLM's own speed defaults, the plan's memory and correctness "
+                 "flags alone; a WINS there means vLLM's defaults beat the plan")
     lines.append(f"run-to-run noise measured on the plan's {len(outcome.baselines)} run(s), in every band: "
                  f"{outcome.noise:.1%}")
     lines += [f"drift: {note}" for note in outcome.drift]

@@ -37,10 +37,13 @@ class Candidate:
     why: str  # what the change is expected to buy
     step: float | None = None  # if it wins: the next value to try is its number times this
     run: int = 0  # the same flags measured again: the baseline's later runs, a verification
+    replaces_plan: bool = False  # the plan's memory and correctness flags alone, then these (vLLM's defaults)
+    held_back: str | None = None  # why it is measured and reported but never applied, even when it wins
 
     @property
     def key(self) -> str:
-        material = json.dumps(self.flags) + (f"#{self.run}" if self.run else "")
+        material = (json.dumps(self.flags) + (f"#{self.run}" if self.run else "")
+                    + ("#defaults" if self.replaces_plan else ""))
         return hashlib.sha256(material.encode()).hexdigest()[:12]
 
     def next_value(self) -> Candidate | None:

@@ -26,6 +26,9 @@ READ_TIMEOUT = 5.0
 
 # Seconds beyond this are a typo (and overflow a thread wait): 30 days.
 MAX_SECONDS = 30 * 24 * 3600.0
+# A count read from outside (vLLM's /metrics, plan.json) beyond this is garbage, not a KV cache or a queue:
+# it is the largest whole number a float (what Prometheus carries) holds exactly.
+MAX_COUNT = 2**53
 
 
 class UntrustedInput(ValueError):

@@ -11,8 +11,10 @@ matches and whose files still have the recorded size and mtime does no network I
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import stat
 import time
@@ -45,10 +47,12 @@ from kimi_service.weights_sources import (
     BadListing,
     FetchError,
     Listing,
+    LocalSourceRefused,
     RemoteFile,
     hub_client,
     list_local,
     list_remote,
+    open_local,
     safe_relpath,
 )
 from kimi_service.weights_sources import SOURCES as REMOTE_SOURCES
@@ -205,10 +209,9 @@ def _human(n: float) -> str:
 # Sources → Listing
 
 
-def list_files(request: FetchRequest, client: httpx.Client) -> Listing:
-    if request.source == "local":
-        assert request.local_path is not None
-        return list_local(request.local_path, request.repo, request.revision)
+def list_files(request: FetchRequest, client: httpx.Client, local: SafeDir | None) -> Listing:
+    if local is not None:
+        return list_local(local, request.repo, request.revision)
     return list_remote(client, request.source, request.endpoint, request.manifest_url, request.repo,
                        request.revision)
 
@@ -294,8 +297,12 @@ def fetch(request: FetchRequest, *, sleep: Callable[[float], None] = time.sleep)
     if is_up_to_date(request):
         return _recorded_result(request, started)
     try:
-        with hub_client(request.token, connections=request.connections) as client:
-            listing = list_files(request, client)
+        with hub_client(request.token, connections=request.connections) as client, \
+                contextlib.ExitStack() as held:
+            # The local source stays open from its listing to the end of the copy (see list_local).
+            local = held.enter_context(open_local(request.local_path)) \
+                if request.source == "local" and request.local_path else None
+            listing = list_files(request, client, local)
             if request.expect_commit and listing.commit != request.expect_commit:
                 raise CommitMoved(f"{request.repo}@{request.revision} is commit {listing.commit} now, but the plan "
                                   f"was made for commit {request.expect_commit}; rerun the play to plan the new "
@@ -304,7 +311,7 @@ def fetch(request: FetchRequest, *, sleep: Callable[[float], None] = time.sleep)
                 raise FetchError(f"{request.repo}@{request.revision} lists no files")
             tree = SafeDir.open(request.dest, create=False, harden=True)
             try:
-                return _fetch_listed(request, client, listing, tree, sleep, started)
+                return _fetch_listed(request, client, listing, tree=tree, local=local, sleep=sleep, started=started)
             finally:
                 if tree is not None:
                     tree.close()
@@ -312,8 +319,8 @@ def fetch(request: FetchRequest, *, sleep: Callable[[float], None] = time.sleep)
         raise FetchError(f"cannot write the weights under {request.dest}: {exc}") from exc
 
 
-def _fetch_listed(request: FetchRequest, client: httpx.Client, listing: Listing, tree: SafeDir | None,
-                  sleep: Callable[[float], None], started: float) -> FetchResult:
+def _fetch_listed(request: FetchRequest, client: httpx.Client, listing: Listing, *, tree: SafeDir | None,
+                  local: SafeDir | None, sleep: Callable[[float], None], started: float) -> FetchResult:
     trusted = _trusted_files(tree, read_marker(tree), listing, request) if tree else {}
     todo = [f for f in listing.files if f.path not in trusted]
     # Partial files count only when their state matches this listing (commit, size, hash).
@@ -335,7 +342,7 @@ def _fetch_listed(request: FetchRequest, client: httpx.Client, listing: Listing,
                                     retries=request.retries, verify_full=request.verify == "full")
         jobs = [FileJob(tree, f, listing.commit, progress, states.get(f.path)) for f in todo]
         try:
-            hashes = {**trusted, **Downloader(client, settings, sleep).run(jobs)}
+            hashes = {**trusted, **Downloader(client, settings, sleep, local).run(jobs)}
         finally:
             for job in jobs:
                 job.close()
@@ -390,21 +397,48 @@ def _trusted_files(tree: SafeDir, marker: dict | None, listing: Listing,
     return trusted
 
 
-def write_manifest(root: Path, out: Path | None = None) -> Path:
-    """Write a mirror manifest (paths, sizes, sha256) for the model files under `root`."""
-    listing = list_local(root, repo=root.name, revision="")
+def write_manifest(root: Path) -> Path:
+    """Write a mirror manifest (paths, sizes, sha256) for the model files under `root`.
+
+    Root may run this on a directory the engine's user can write: the files are read and the manifest
+    written through the directory's descriptors, and the manifest replaces whatever is at its name
+    (a link included) by a rename instead of writing through it.
+    """
     files = []
-    target = out or root / MANIFEST_NAME
-    try:
-        for f in listing.files:
+    with open_local(root) as tree:
+        for f in list_local(tree, repo=root.name, revision="").files:
             if f.path == MANIFEST_NAME:
                 continue
-            with open(root / f.path, "rb") as handle:
-                files.append({"path": f.path, "size": f.size, "sha256": hash_fd(handle.fileno())})
-        target.write_text(json.dumps({"files": files}, indent=1))
-    except OSError as exc:
-        raise UsageError(f"manifest of {root}: {exc.filename}: {exc.strerror}") from None
-    return target
+            fd = tree.open_read(f.path)
+            if fd is None:
+                raise LocalSourceRefused(f"{root / f.path} is no plain file any more; refusing to read through "
+                                         "it as root")
+            try:
+                files.append({"path": f.path, "size": os.fstat(fd).st_size, "sha256": hash_fd(fd)})
+            except OSError as exc:
+                raise UsageError(f"manifest of {root}: {root / f.path}: {exc.strerror}") from None
+            finally:
+                os.close(fd)
+        try:
+            _publish(tree, MANIFEST_NAME, json.dumps({"files": files}, indent=1).encode())
+        except OSError as exc:
+            raise UsageError(f"manifest of {root}: {root / MANIFEST_NAME}: {exc.strerror}") from None
+    return root / MANIFEST_NAME
+
+
+def _publish(tree: SafeDir, name: str, data: bytes) -> None:
+    """Put `data` at `name` in the tree's top directory: written to a new file (never through a link), renamed
+    over whatever plain file or link is there; anything else in the way (a directory) is an error, not removed."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=tree.fd)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, name, src_dir_fd=tree.fd, dst_dir_fd=tree.fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=tree.fd)
+        raise
 
 
 def token_from_env(source: str) -> str:

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import httpx
 
 from kimi_service.safedir import SafeDir
-from kimi_service.weights_sources import INCOMPLETE_SUFFIX, STATE_SUFFIX, TOKEN_HINT, FetchError, RemoteFile
+from kimi_service.weights_sources import (
+    INCOMPLETE_SUFFIX,
+    STATE_SUFFIX,
+    TOKEN_HINT,
+    FetchError,
+    LocalSourceRefused,
+    RemoteFile,
+)
 
 CHUNK = 1 << 20
 STATE_VERSION = 1
@@ -219,10 +226,16 @@ class Reply:
 
 
 @contextmanager
-def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int | None) -> Iterator[Reply]:
-    """GET `remote` from `offset` (to `end`, exclusive, when given); a file:// URL is read directly."""
-    if remote.url.startswith("file://"):
-        with open(httpx.URL(remote.url).path, "rb") as source:
+def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int | None,
+               local: SafeDir | None = None) -> Iterator[Reply]:
+    """GET `remote` from `offset` (to `end`, exclusive, when given); from the `local` source's tree, when
+    given, the file is read through the directory descriptors it was listed with, never by path."""
+    if local is not None:
+        fd = local.open_read(remote.path)
+        if fd is None:
+            raise LocalSourceRefused(f"{local.path / remote.path} is no plain file of the local source any "
+                                     "more; refusing to read through it as root")
+        with os.fdopen(fd, "rb") as source:
             source.seek(offset)
             yield Reply(206, None, None, None, _read_file(source, None if end is None else end - offset))
         return
@@ -397,8 +410,8 @@ class Downloader:
     """`connections` threads working through the ranges of every file; the first failure stops all."""
 
     def __init__(self, client: httpx.Client, settings: TransferSettings,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.client, self.settings, self.sleep = client, settings, sleep
+                 sleep: Callable[[float], None] = time.sleep, local: SafeDir | None = None) -> None:
+        self.client, self.settings, self.sleep, self.local = client, settings, sleep, local
         self.hashes: dict[str, str | None] = {}
         self._queue: queue.Queue = queue.Queue()
         self._done = threading.Condition()
@@ -478,7 +491,7 @@ class Downloader:
                 self._restart(job, gen, self.layout(job.remote.size))
             except _NoRanges:
                 self._restart(job, gen, [[0, job.remote.size, 0]])
-            except SourceMisbehaves:
+            except (SourceMisbehaves, LocalSourceRefused):  # retrying would only meet it again
                 raise
             except (httpx.HTTPError, FetchError) as exc:
                 attempt += 1
@@ -501,7 +514,8 @@ class Downloader:
         try:
             if start + done >= end:
                 return
-            with open_range(self.client, job.remote, start + done, None if single else end) as reply:
+            with open_range(self.client, job.remote, start + done, None if single else end,
+                            self.local) as reply:
                 body_at = self._accept(job, index, gen, reply, offset=start + done, end=end)
                 out = _RangeWriter(job, gen, index, fd, body_at)
                 try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -20,6 +21,7 @@ import httpx
 
 from kimi_service.credentials import bearer
 from kimi_service.errors import KimiError, UsageError
+from kimi_service.safedir import SafeDir, UnsafePath
 
 MARKER_NAME = ".kimi-weights.json"
 MANIFEST_NAME = "kimi-manifest.json"
@@ -45,6 +47,10 @@ class BadListing(FetchError):
     """The source's listing is malformed: bad input, not a transient failure."""
 
     exit_code = 2
+
+
+class LocalSourceRefused(BadListing):
+    """A local source holds a link (or changed into one): root reads none of it."""
 
 
 @dataclass(frozen=True)
@@ -252,15 +258,44 @@ def list_http(client: httpx.Client, base_url: str, manifest_url: str, repo: str,
     return Listing(repo=repo, revision=revision, commit=commit, files=tuple(files))
 
 
-def list_local(root: Path, repo: str, revision: str) -> Listing:
-    if not root.is_dir():
+def open_local(root: Path) -> SafeDir:
+    """A local model directory, opened for reading the way root may: it can lie in the engine's user's
+    state directory, so a link that user owns on the way there is refused, not followed."""
+    try:
+        tree = SafeDir.open(Path(os.path.abspath(root)), create=False)
+    except UnsafePath as exc:
+        raise LocalSourceRefused(f"local model directory: {exc}") from None
+    if tree is None:
         raise UsageError(f"local model directory {root} does not exist or is not a directory")
+    return tree
+
+
+def list_local(tree: SafeDir, repo: str, revision: str) -> Listing:
+    """The plain files under an open local directory, found without following a link.
+
+    Root copies what is listed here into a directory the engine reads, so a link in the source (to
+    /etc/shadow, say) is refused rather than copied; the copy then reads through the same directory
+    descriptors, so a directory swapped for a link after the listing leads nowhere else either.
+    """
     files = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel == MARKER_NAME or rel.endswith(_RESERVED_SUFFIXES):
-            continue
-        files.append(RemoteFile(path=rel, size=path.stat().st_size, url=path.resolve().as_uri()))
+    pending = ["."]
+    while pending:
+        directory = pending.pop()
+        entries = tree.entries(directory)
+        if entries is None:
+            raise LocalSourceRefused(f"{tree.path / directory} was replaced while it was listed; refusing to "
+                                     "read through it as root")
+        for name, st in entries:
+            rel = str(PurePosixPath(directory, name))
+            if stat.S_ISLNK(st.st_mode):
+                raise LocalSourceRefused(
+                    f"{tree.path / rel} is a symbolic link (owned by uid {st.st_uid}); fetch runs as root and "
+                    "copies only plain files from a local source: replace it with the file itself (cp -L)")
+            if stat.S_ISDIR(st.st_mode):
+                pending.append(rel)
+            elif stat.S_ISREG(st.st_mode) and rel != MARKER_NAME and not rel.endswith(_RESERVED_SUFFIXES):
+                files.append(RemoteFile(path=rel, size=st.st_size, url=(tree.path / rel).as_uri()))
     if not files:
-        raise UsageError(f"local model directory {root} holds no files")
+        raise UsageError(f"local model directory {tree.path} holds no files")
+    files.sort(key=lambda f: PurePosixPath(f.path).parts)
     return Listing(repo=repo, revision=revision, commit=revision, files=tuple(files))

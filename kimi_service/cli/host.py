@@ -146,6 +146,9 @@ def add_tune(commands) -> None:
     tune.add_argument("--candidate", action="append", default=[], metavar="FLAGS",
                       help="measure this flag set instead of the automatic ones (repeat for more), "
                       "e.g. --candidate '--max-num-seqs 64'")
+    tune.add_argument("--allow-speculative", action="store_true",
+                      help="let a speculative-decoding winner be applied (by default it is measured and reported "
+                      "only: its gain depends on real text and weights, which tune's synthetic prompts lack)")
     tune.add_argument("--verify", action="store_true",
                       help="measure tuned.json's flags again between two runs of the plan; serve applies them only "
                       "when the gain held (exit 0 held, 1 not)")
@@ -172,7 +175,8 @@ def _run_tune(args: argparse.Namespace) -> int:
         bench.BenchSettings(url="", model="", concurrency=list(workload.concurrency), input_len=shape.input_len,
                             output_len=shape.output_len, prompts=workload.prompts,
                             shared_prefix_len=shape.shared_prefix_len).validate()
-    session = tune.Session(loaded, workload, tune.parse_duration(args.budget), args.candidate)
+    session = tune.Session(loaded, workload, tune.parse_duration(args.budget), args.candidate,
+                           allow_speculative=args.allow_speculative)
     if args.status:
         why = session.stale()
         print(why or f"{session.tuned_path}: current for this configuration and workload")

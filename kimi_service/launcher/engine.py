@@ -21,7 +21,7 @@ from kimi_service.launcher.launch import Launch
 from kimi_service.launcher.output import CauseFinder, tee
 from kimi_service.launcher.process import EngineGroupRecord, die_with_parent, guard_group
 from kimi_service.sdnotify import Notifier
-from kimi_service.untrusted import UntrustedInput, loads_json
+from kimi_service.untrusted import MAX_COUNT, UntrustedInput, loads_json
 
 # serve's journal lines carry one name, whichever of its modules writes them.
 log = logging.getLogger(__package__)
@@ -165,18 +165,29 @@ def kv_tokens_from_metrics(text: str) -> int | None:
         for sample in family.samples:
             if sample.name.startswith("vllm:cache_config_info"):
                 try:
-                    return int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"])
+                    tokens = int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"])
                 except (KeyError, ValueError):
                     return None
+                if not 0 <= tokens <= MAX_COUNT:
+                    log.warning("vLLM's /metrics gives a KV cache (num_gpu_blocks x block_size) outside 0 to %d "
+                                "tokens: not recorded", MAX_COUNT)
+                    return None
+                return tokens
     return None
 
 
 def requests_in_flight(metrics_text: str) -> int | None:
-    """Requests vLLM is running or has queued, from its /metrics; None when it does not say."""
+    """Requests vLLM is running or has queued, from its /metrics; None when it does not say (or says a
+    count no queue holds)."""
     found = None
     for family in text_string_to_metric_families(metrics_text):
         if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            found = (found or 0) + int(sum(sample.value for sample in family.samples))
+            for sample in family.samples:
+                if not 0 <= sample.value <= MAX_COUNT:  # also NaN
+                    log.warning("vLLM's /metrics gives %s %s, no count of requests: ignored", sample.name,
+                                sample.value)
+                    return None
+                found = (found or 0) + int(sample.value)
     return found
 
 

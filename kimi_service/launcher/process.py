@@ -1,4 +1,10 @@
-"""vLLM never outlives serve: the kernel kills the engine when serve dies (PR_SET_PDEATHSIG), a guard process
+"""One serve per state directory, and vLLM never outlives it.
+
+A second serve on the same state directory would kill the first one's engine as a leftover: serve holds an
+exclusive lock on `<state_dir>/serve.lock` for its whole life (the kernel drops it when serve dies, however it
+dies), and a second serve that cannot take it exits without touching anything.
+
+The kernel kills the engine when serve dies (PR_SET_PDEATHSIG), a guard process
 then kills the rest of its group, and a start kills an engine process group a serve that died left behind
 (recorded in `<state_dir>/run/engine.pgid`).
 
@@ -15,23 +21,60 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimi_service.errors import UsageError
 from kimi_service.files import write_atomic
 from kimi_service.untrusted import read_json
 
 log = logging.getLogger(__package__)
 
 _PR_SET_PDEATHSIG = 1
+
+SERVE_LOCK = "serve.lock"
+# Never follow a link planted where the lock file goes (serve may still be root), never block on a FIFO,
+# and never hand the lock to the engine: it must die with serve.
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def serve_lock(state_dir: Path) -> Iterator[None]:
+    """Hold `<state_dir>/serve.lock` (with serve's PID in it) while the block runs; UsageError, with nothing
+    else done, when another serve holds it or the path is not a plain file of one link."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / SERVE_LOCK
+    try:
+        fd = os.open(path, _LOCK_FLAGS, 0o600)
+    except OSError as exc:
+        why = "it is a symbolic link; remove it" if exc.errno == errno.ELOOP else exc.strerror
+        raise UsageError(f"{path}: cannot open serve's lock file: {why}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise UsageError(f"{path}: not a plain file of one link, so not serve's lock file; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise UsageError(f"another serve (PID {holder if holder.isdigit() else 'not yet written'}) runs on "
+                             f"{state_dir}; stop it first: a second one would kill its engine") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None]:

@@ -24,7 +24,7 @@ from kimi_service.launcher.cluster import FollowerWatch
 from kimi_service.launcher.engine import EngineApi, EngineProcess, Pace, watchdog_interval
 from kimi_service.launcher.follower import run_follower
 from kimi_service.launcher.launch import Launch, prepare, write_plan
-from kimi_service.launcher.process import EngineGroupRecord
+from kimi_service.launcher.process import EngineGroupRecord, serve_lock
 from kimi_service.launcher.sockets import waiting_connections
 from kimi_service.launcher.status import Readiness, status_server
 from kimi_service.sdnotify import Notifier
@@ -273,7 +273,12 @@ def _record_failure(config: Config, exc: KimiError) -> None:
 
 
 def serve(config: Config, notifier: Notifier | None = None) -> int:
-    notifier = notifier or Notifier.from_env(os.environ)
+    # Before anything else: a second serve must not touch the first one's plan, failure file or engine.
+    with serve_lock(config.paths.state_dir):
+        return _serve_locked(config, notifier or Notifier.from_env(os.environ))
+
+
+def _serve_locked(config: Config, notifier: Notifier) -> int:
     notifier.notify(STATUS="planning")
     supervisor = None
     try:

@@ -136,13 +136,20 @@ def activation_bytes_per_token(model: ModelSpec, tensor_parallel: int) -> int:
     return values * 2
 
 
+def default_max_num_seqs(gpus: GpuInventory) -> int:
+    """vLLM 0.21's max_num_seqs when none is given, for the OpenAI server on a GPU
+    (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults): 1024 on 70 GiB or more but an A100, 256 otherwise.
+    vLLM tells an A100 by its name; Hopper and later (compute capability 9.0 up) stand for "not an A100" here."""
+    return 1024 if gpus.memory_bytes >= 70 * GIB and gpus.compute_capability >= (9, 0) else 256
+
+
 def memory_budget(model: ModelSpec, gpus: GpuInventory, parallel: Parallelism, knobs: Knobs) -> MemoryBudget:
     tp, pp = parallel.tensor, parallel.pipeline
     total = gpus.memory_bytes
     usable = int(total * knobs.utilization)
     weights = weights_per_gpu(model, parallel)
     tokens = knobs.batched_tokens or DEFAULT_BATCHED_TOKENS
-    seqs = knobs.max_num_seqs or (1024 if total >= 70 * GIB and gpus.compute_capability >= (9, 0) else 256)
+    seqs = knobs.max_num_seqs or default_max_num_seqs(gpus)
     # Profiling runs one batch of max_num_batched_tokens: its activations, and float32 logits for up to
     # max_num_seqs sequences.
     activation = tokens * activation_bytes_per_token(model, tp) + seqs * model.vocab_size * 4

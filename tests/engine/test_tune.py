@@ -2,11 +2,11 @@
 swept by bench, stopped; a candidate that loses is never applied; the budget; resume; serve applying a
 winner only where it was measured.
 
-Three engine starts in all (the plan, a candidate whose context is shorter than every prompt, the plan
-again); later
-runs read the measurements back. Speeds on two shared cores are noise: even a batch cap of one, serving
-four clients one at a time, measured ahead of the plan in one run (batching buys little on a CPU), so no
-test depends on a speed difference. The losing candidate starts, serves, and has every request refused.
+Four engine starts in all (the plan, vLLM's defaults, a candidate whose context is shorter than every
+prompt, the plan again); later runs read the measurements back. Speeds on two shared cores are noise: even
+a batch cap of one, serving four clients one at a time, measured ahead of the plan in one run (batching
+buys little on a CPU), so no test depends on a speed difference. The losing candidate starts, serves, and
+has every request refused.
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ def first(tuner: Tuner) -> subprocess.CompletedProcess[str]:
 def test_a_candidate_that_loses_is_measured_and_never_applied(tuner: Tuner, first) -> None:
     tuned = tuner.tuned
     assert tuned["winner"] == "plan" and tuned["flags"] == [] and tuned["reasons"] == {}
-    (loser,) = tuned["candidates"]
+    defaults, loser = tuned["candidates"]
+    # vLLM's defaults: the plan's memory and correctness flags alone, judged and reported, never applied.
+    assert defaults["name"] == "vllm defaults" and defaults["held_back"] and defaults["points"], defaults
+    assert "starting the engine with the plan's memory and correctness flags alone" in first.stderr
     assert loser["flags"] == LOSER.split() and loser["decision"] == "loses"
     assert "HTTP 400" in loser["reason"], loser
     assert "starting the engine with --max-model-len 32" in first.stderr
@@ -90,7 +93,8 @@ def test_a_candidate_that_loses_is_measured_and_never_applied(tuner: Tuner, firs
     assert "applied: the plan alone (nothing beat it)" in first.stdout
     report = tuner.state_dir / "tune" / tuned["key"]
     assert (report / "report.txt").read_text().strip() in first.stdout
-    assert len(list(report.glob("*.log"))) == 3  # one engine log per start: the plan, the candidate, the plan again
+    # One engine log per start: the plan, vLLM's defaults, the candidate, the plan again.
+    assert len(list(report.glob("*.log"))) == 4
     assert tuner.tune("--status").returncode == 0
 
 
@@ -98,7 +102,7 @@ def test_a_rerun_resumes_and_the_budget_skips_what_would_overrun_it(tuner: Tuner
     again = tuner.tune("--budget", "10m", "--candidate", LOSER)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "starting the engine" not in again.stderr
-    assert again.stderr.count("measured earlier") == 3
+    assert again.stderr.count("measured earlier") == 4
     tight = tuner.tune("--budget", "1s", "--candidate", "--max-num-seqs 2")
     assert tight.returncode == 0, tight.stderr[-3000:]
     assert "starting the engine" not in tight.stderr  # the plan is read back, the new candidate is not run

@@ -7,9 +7,12 @@ import asyncio
 import json
 import math
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -50,6 +53,42 @@ def test_slo_parsing():
     for bad in ("ttft", "e2e=1", "ttft=fast", "itl=-1"):
         with pytest.raises(UsageError):
             Slo.parse(bad)
+
+
+def test_slo_parsing_takes_vllms_goodput_terms_in_seconds_or_its_milliseconds():
+    assert Slo.parse("tpot=50ms,e2el=20") == Slo(tpot=0.05, e2el=20.0)
+    # `vllm bench serve --goodput ttft:1000 tpot:100 e2el:30000`: milliseconds, space-separated.
+    assert Slo.parse("ttft:1000") == Slo(ttft=1.0)
+    assert Slo.parse("ttft:1000 tpot:100 e2el:30000") == Slo(ttft=1.0, tpot=0.1, e2el=30.0)
+    for bad in ("tpot", "tpot:", "e2el:-5", "ttft:fast", "goodput:1", "tpot=0", "e2el=inf"):
+        with pytest.raises(UsageError, match="--slo"):
+            Slo.parse(bad)
+
+
+def test_a_malformed_slo_exits_2_with_one_line_before_any_request():
+    result = subprocess.run([sys.executable, "-m", "kimi_service", "bench", "--model", "m", "--url",
+                             "http://127.0.0.1:9", "--slo", "tpot:abc"], capture_output=True, text=True,
+                            timeout=60, check=False, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2 and "--slo" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_vllms_goodput_counts_requests_within_every_bound_with_tpot_after_the_first_token():
+    # TPOT = (latency - TTFT) / (tokens - 1): (2.1 - 0.1) / 4 = 0.5 s.
+    slow_tokens = RequestResult(ok=True, ttft=0.1, e2e=2.1, itls=[0.5] * 4, output_tokens=5, prompt_tokens=5)
+    assert slow_tokens.tpot == pytest.approx(0.5)
+    one_token = RequestResult(ok=True, ttft=0.2, e2e=0.2, output_tokens=1, prompt_tokens=5)
+    assert one_token.outcome()["tpot"] == 0.0  # vLLM's 0 for a one-token answer: never over a TPOT bound
+    fast = RequestResult(ok=True, ttft=0.1, e2e=0.5, itls=[0.1, 0.3], output_tokens=3, prompt_tokens=5)  # TPOT 0.2
+    late = RequestResult(ok=True, ttft=0.9, e2e=1.3, itls=[0.2, 0.2], output_tokens=3, prompt_tokens=5)
+    failed = RequestResult(ok=False, error="HTTP 500")
+    slo = Slo(ttft=0.5, tpot=0.25, e2el=1.0, itl=0.25)
+    level = summarize(8, [slow_tokens, one_token, fast, late, failed], duration_s=2.0, slo=slo)
+    # vLLM's terms: one_token and fast are within TTFT, TPOT and E2EL; slow_tokens breaks TPOT and E2EL, late
+    # TTFT and E2EL, failed failed. Ours also holds every gap to the ITL bound: fast's 0.3 s gap breaks it.
+    assert level.vllm_goodput_requests_per_s == pytest.approx(2 / 2.0)
+    assert level.goodput_requests_per_s == pytest.approx(1 / 2.0)
+    assert summarize(8, [fast], 2.0, Slo(tpot=0.25)).vllm_goodput_requests_per_s is None  # only beside an ITL bound
+    assert summarize(8, [fast], 2.0, Slo(tpot=0.1, itl=1.0)).vllm_goodput_requests_per_s == 0.0
 
 
 def _ok(ttft, itls, tokens):

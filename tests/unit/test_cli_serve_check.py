@@ -43,6 +43,17 @@ def test_check_plans_and_prints_the_command_without_starting(tmp_path, capsys):
     assert "would run: " in out and "--model " + str(model) in out
 
 
+def test_check_runs_beside_a_running_serve_it_takes_no_lock(tmp_path, capsys):
+    from kimi_service.launcher.process import serve_lock
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    with serve_lock(tmp_path):  # what the running serve holds on the same state dir
+        assert main(["serve", "--check", "--config", str(_config(tmp_path, model))]) == 0
+    assert "valid; engine cpu" in capsys.readouterr().out
+
+
 def test_extra_env_names_are_shown_and_recorded_and_the_values_reach_the_engine(tmp_path, capsys):
     model = tmp_path / "tiny"
     model.mkdir()

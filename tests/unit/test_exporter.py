@@ -179,6 +179,41 @@ def test_plan_info_shows_a_data_parallel_plan_as_dp_x_ep(scrape_with, plan_file)
     assert (info["data_parallel_size"], info["tensor_parallel_size"]) == ("8", "1")
 
 
+def _scrape_ok(scraper: Scraper) -> dict[str, list]:
+    scraper.scrape()  # it answers
+    answer = httpx.get(f"http://127.0.0.1:{scraper.port}/metrics", timeout=5)
+    assert answer.status_code == 200, answer.text[-500:]
+    return {f.name: f.samples for f in text_string_to_metric_families(answer.text)}
+
+
+def test_plan_values_no_scrape_can_carry_are_left_out_with_one_log_line_each(scrape_with, plan_file, caplog) -> None:
+    """plan.json is the service user's to write: a lone surrogate would fail every scrape's UTF-8 write, a
+    400-digit count every float conversion (a 500 for Prometheus each time)."""
+    huge = "9" * 400
+    plan_file.write_text('{"served_model_name": "a\\udc80b", "max_model_len": ' + huge + ', "kv_cache_tokens": '
+                         '1234567, "kv_cache_tokens_measured": ' + huge + ', "vllm_version": "0.21.0"}')
+    scraper = scrape_with(FakeNvml())
+    with caplog.at_level(logging.WARNING, logger="kimi_service.exporter"):
+        metrics = _scrape_ok(scraper)
+        _scrape_ok(scraper)
+    info = metrics["kimi_plan_info"][0].labels
+    assert (info["model"], info["max_model_len"]) == ("", "")
+    assert (info["kv_cache_tokens"], info["vllm_version"]) == ("1234567", "0.21.0")
+    assert {s.labels["source"]: s.value for s in metrics["kimi_kv_cache_tokens"]} == {"planned": 1_234_567}
+    logged = sorted(r.getMessage() for r in caplog.records if str(plan_file) in r.getMessage())
+    assert logged == [
+        f"{plan_file}: kv_cache_tokens_measured is a count outside 0 to {2**53}; left out of the plan series",
+        f"{plan_file}: max_model_len is a count outside 0 to {2**53}; left out of the plan series",
+        f"{plan_file}: served_model_name is text that is not UTF-8 (a lone surrogate); left out of the plan series",
+    ]  # once each, over two scrapes
+
+
+def test_quotes_backslashes_and_newlines_in_a_label_round_trip(scrape_with, plan_file) -> None:
+    version = 'v"1\\2\nrc" \\n'
+    plan_file.write_text(json.dumps({"served_model_name": "kimi", "vllm_version": version}))
+    assert _scrape_ok(scrape_with(FakeNvml()))["kimi_plan_info"][0].labels["vllm_version"] == version
+
+
 def test_nvml_missing_entirely_is_not_a_scrape_error(scrape_with) -> None:
     fake = FakeNvml(init_error=NVMLError(12, "NVML Shared Library Not Found"))
     metrics = scrape_with(fake).scrape()

@@ -119,6 +119,14 @@ def test_serve_check_refuses_an_abbreviated_host_with_exit_2_and_one_line(tmp_pa
     assert err.count("\n") == 1 and "vLLM reads '--ho' as --host" in err and "kimi_api_host" in err
 
 
+def test_serve_check_refuses_a_served_name_no_utf8_writer_can_encode_with_exit_2(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text('model:\n  path: /m/tiny\n  served_name: "a\\udc80b"\n')  # YAML's escape, as written
+    assert main(["serve", "--check", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.served_name: 'a\\udc80b' holds a character that is not printable" in err
+
+
 # Item 8: values that pass a type check and then break the service.
 @pytest.mark.parametrize(
     ("data", "fragment"),
@@ -126,6 +134,9 @@ def test_serve_check_refuses_an_abbreviated_host_with_exit_2_and_one_line(tmp_pa
         ({"model": {**MINIMAL["model"], "served_name": "kimi\nX-Injected: 1"}}, "model.served_name: 'kimi\\nX-Inj"),
         ({"model": {**MINIMAL["model"], "served_name": "k\x1b[2J"}}, "holds a control character"),
         ({"model": {**MINIMAL["model"], "served_name": "k\u2028i"}}, "holds a control character"),
+        ({"model": {**MINIMAL["model"], "served_name": "a\udc80b"}}, "'a\\udc80b' holds a character that is not "
+         "printable (a lone surrogate"),
+        ({"model": {**MINIMAL["model"], "served_name": "k\u200bi"}}, "holds a character that is not printable"),
         ({"model": {**MINIMAL["model"], "served_name": "--host"}}, "cannot be a served model name"),
         ({"model": {**MINIMAL["model"], "served_name": " "}}, "cannot be a served model name"),
         ({"model": {"path": "/m\n/x"}}, "model.path: '/m\\n/x' holds a control character"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import subprocess
 import threading
@@ -177,6 +178,21 @@ def test_requests_in_flight_counts_running_and_waiting_over_every_engine() -> No
     assert launcher.requests_in_flight(busy) == 6
     assert launcher.requests_in_flight(VLLM_METRICS) == 0
     assert launcher.requests_in_flight("# nothing here\n") is None
+
+
+def test_a_kv_cache_no_count_reaches_is_not_recorded_and_the_log_says_why(caplog) -> None:
+    huge = VLLM_METRICS.replace('num_gpu_blocks="1024"', f'num_gpu_blocks="{"9" * 400}"')
+    with caplog.at_level(logging.WARNING, logger="kimi_service.launcher"):
+        assert launcher.kv_tokens_from_metrics(huge) is None
+    assert f"KV cache (num_gpu_blocks x block_size) outside 0 to {2**53} tokens: not recorded" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["9" * 400, "+Inf", "NaN", "-1.0"])
+def test_requests_in_flight_is_unknown_when_vllm_says_a_count_no_queue_holds(value: str, caplog) -> None:
+    odd = VLLM_METRICS.replace('model_name="kimi-tiny"} 0.0', f'model_name="kimi-tiny"}} {value}')
+    with caplog.at_level(logging.WARNING, logger="kimi_service.launcher"):
+        assert launcher.requests_in_flight(odd) is None
+    assert "no count of requests: ignored" in caplog.text
 
 
 def test_readiness_turns_503_for_good_once_draining() -> None:

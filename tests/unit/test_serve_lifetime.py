@@ -1,8 +1,9 @@
-"""serve on hosts without systemd: the engine dies with serve, a leftover engine group is killed, a failed
-start names its cause, serve's own watchdog, --env-file and --user."""
+"""serve on hosts without systemd: the engine dies with serve, a leftover engine group is killed, one serve per
+state directory, a failed start names its cause, serve's own watchdog, --env-file and --user."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -215,6 +216,79 @@ def test_a_recorded_group_that_is_not_vllm_or_not_ours_is_left_alone(tmp_path: P
     finally:
         other.kill()
         other.wait()
+
+
+# --- one serve per state directory -----------------------------------------------------------------
+
+
+def _lock_holder(state_dir: Path) -> tuple[subprocess.Popen[str], int]:
+    """A process that takes serve's lock as serve does, then starts a child that inherits every descriptor
+    it may (as an engine that outlives serve would); returns it and its child's PID."""
+    code = ("import pathlib, subprocess, time\n"
+            "from kimi_service.launcher.process import serve_lock\n"
+            f"with serve_lock(pathlib.Path({str(state_dir)!r})):\n"
+            "    child = subprocess.Popen(['sleep', '600'], close_fds=False)\n"
+            "    print(child.pid, flush=True)\n"
+            "    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert holder.stdout is not None
+    return holder, int(holder.stdout.readline())
+
+
+def _end(holder: subprocess.Popen[str], child: int) -> None:
+    holder.kill()
+    holder.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, signal.SIGKILL)
+
+
+def test_a_second_serve_on_the_state_dir_exits_2_naming_the_first_and_a_killed_one_leaves_no_lock(
+        tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  path: {tmp_path}/no-such-model\nplan:\n  engine: cpu\n"
+                      f"paths:\n  state_dir: {state_dir}\n  plan_file: {tmp_path}/run/plan.json\n"
+                      "  tmp_dir: /tmp/kimi\n")
+    first, first_child = _lock_holder(state_dir)
+    try:
+        second = _in_child("from kimi_service.cli import main\n"
+                           f"raise SystemExit(main(['serve', '--config', {str(config)!r}]))")
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.strip().splitlines() == [
+            f"kimi-service: error: another serve (PID {first.pid}) runs on {state_dir}; stop it first: "
+            "a second one would kill its engine"]
+        # It touched nothing of the first one's: no failure recorded, no plan written.
+        assert not (state_dir / "last-failure").exists() and not (tmp_path / "run" / "plan.json").exists()
+        assert first.poll() is None
+        first.kill()
+        first.wait()
+        # The kernel dropped the dead one's lock, and its surviving child never held it: nothing stale.
+        assert _alive(first_child)
+        after, after_child = _lock_holder(state_dir)
+        try:
+            assert (state_dir / "serve.lock").read_text() == f"{after.pid}\n"
+            assert oct((state_dir / "serve.lock").stat().st_mode & 0o777) == "0o600"
+        finally:
+            _end(after, after_child)
+    finally:
+        _end(first, first_child)
+
+
+def test_the_lock_file_is_never_a_link_someone_planted(tmp_path: Path) -> None:
+    from kimi_service.launcher.process import SERVE_LOCK, serve_lock
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (tmp_path / SERVE_LOCK).symlink_to(target)
+    refused = r"serve\.lock: cannot open serve's lock file: it is a symbolic link"
+    with pytest.raises(UsageError, match=refused), serve_lock(tmp_path):
+        pytest.fail("locked through a symbolic link")
+    (tmp_path / SERVE_LOCK).unlink()
+    os.link(target, tmp_path / SERVE_LOCK)
+    with pytest.raises(UsageError, match=r"serve\.lock: not a plain file of one link"), serve_lock(tmp_path):
+        pytest.fail("locked through a hard link")
+    assert target.read_text() == "keep me\n"
 
 
 # --- serve's own watchdog ---------------------------------------------------------------------------

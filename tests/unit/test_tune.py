@@ -23,10 +23,10 @@ from kimi_service.tune import (
     operator_candidates,
     parse_duration,
     search,
-    trial_candidates,
     tuned_document,
     verify,
 )
+from kimi_service.tune_candidates import DEFAULTS, DEFAULTS_KEEP, defaults_argv, trial_candidates
 from kimi_service.tune_report import format_table
 from kimi_service.tune_stats import Band, Candidate, Measurement, decide, goodput_band, judge
 from kimi_service.tuned import Shape, Workload, configuration_key, tuned_flags
@@ -186,7 +186,7 @@ def quiet(_: str) -> None:
 def test_search_measures_the_plan_twice_around_the_singles_then_the_winners_together(tmp_path: Path):
     engine = Bench(EFFECTS)
     outcome = search(SINGLES, engine.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: engine.now)
-    assert engine.started == ["plan", "seqs", "cap", "async", "plan (again)", "seqs + async"]
+    assert engine.started == ["plan", "vllm defaults", "seqs", "cap", "async", "plan (again)", "seqs + async"]
     assert outcome.winner.candidate.flags == ("--max-num-seqs", "64", "--async-scheduling")
     document = tuned_document(outcome, "k", Workload(slo=SLO))
     assert document["flags"] == ["--max-num-seqs", "64", "--async-scheduling"] and document["gain_held"] is None
@@ -205,7 +205,8 @@ def test_a_winning_value_is_followed_by_the_next_while_it_keeps_winning(tmp_path
     engine = Bench({"max-num-seqs 128": everywhere(1.4), "max-num-seqs 256": everywhere(1.8),
                     "max-num-seqs 512": everywhere(1.0)})
     outcome = search(singles, engine.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: engine.now)
-    assert engine.started == ["plan", "max-num-seqs 128", "plan (again)", "max-num-seqs 256", "max-num-seqs 512"]
+    assert engine.started == ["plan", "vllm defaults", "max-num-seqs 128", "plan (again)", "max-num-seqs 256",
+                              "max-num-seqs 512"]
     assert outcome.winner.candidate.flags == ("--max-num-seqs", "256")
 
 
@@ -220,12 +221,13 @@ def test_nothing_is_applied_when_nothing_won(tmp_path: Path):
 def test_the_budget_keeps_room_for_the_plans_second_run_and_a_rerun_resumes(tmp_path: Path):
     engine = Bench(EFFECTS, cost=30.0)
     first = search(SINGLES, engine.measure, Store(tmp_path, "k"), 100, SLO, log=quiet, clock=lambda: engine.now)
-    # 30 s spent; a single (30 s) and the plan again (30 s) fit in 100 s; a second single would not.
-    assert engine.started == ["plan", "seqs", "plan (again)"]
-    assert [c.name for c, _ in first.skipped] == ["cap", "async"] and "budget" in first.skipped[0][1]
+    # 30 s spent; one more start (30 s, vLLM's defaults) and the plan again (30 s) fit in 100 s; a single
+    # would not.
+    assert engine.started == ["plan", "vllm defaults", "plan (again)"]
+    assert [c.name for c, _ in first.skipped] == ["seqs", "cap", "async"] and "budget" in first.skipped[0][1]
     again = Bench(EFFECTS, cost=30.0)
     second = search(SINGLES, again.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: again.now)
-    assert again.started == ["cap", "async", "seqs + async"]  # the plan's runs and seqs read back
+    assert again.started == ["seqs", "cap", "async", "seqs + async"]  # the plan's runs and the defaults read back
     assert second.reused == 3 and second.winner.candidate.name == "seqs + async"
 
 
@@ -386,3 +388,103 @@ def test_site_runs_the_tune_stage_only_when_asked_for():
 
 def test_progress_clock_rounds_once_so_seconds_never_read_60():
     assert [clock_label(t) for t in (0, 59.4, 59.6, 119.6, 754.2)] == ["00:00", "00:59", "01:00", "02:00", "12:34"]
+
+
+GPU_PLAN = {"argv": ["vllm", "serve", "m", "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"],
+            "workload": "chat", "engine": "cuda", "vllm_version": "0.21.0", "pipeline_parallel_size": 1,
+            "kv_cache_tokens": 4_000_000, "gpu_memory_utilization": 0.90, "overrides": [],
+            "budget": {"total_bytes": 80 * 2**30, "kv_cache_bytes": 40 * 2**30}}
+
+
+def _listed(plan: dict, workload: Workload, **options) -> dict[str, Candidate]:
+    return {c.name: c for c in trial_candidates(plan, workload, **options)}
+
+
+def test_a_batch_above_vllms_default_is_tried_only_where_clients_and_the_kv_cache_exceed_it():
+    many = Workload(concurrency=(256, 2048))  # 640 tokens a request: the cache holds 6,250 of them
+    found = _listed(GPU_PLAN, many, vllm_max_num_seqs=1024)["max-num-seqs-above-default"]
+    assert found.flags == ("--max-num-seqs", "2048") and "vLLM's default admits 1024" in found.why
+    # Capped at what the cache holds at the workload's lengths.
+    small_cache = {**GPU_PLAN, "kv_cache_tokens": 640 * 1500}
+    assert _listed(small_cache, many, vllm_max_num_seqs=1024)["max-num-seqs-above-default"].flags[1] == "1500"
+    for plan, workload, default in ((GPU_PLAN, Workload(concurrency=(1, 16, 1024)), 1024),  # no more clients
+                                    ({**GPU_PLAN, "kv_cache_tokens": 640 * 1024}, many, 1024),  # cache full
+                                    (GPU_PLAN, many, None),  # vLLM's default unknown (the CPU engine)
+                                    ({**GPU_PLAN, "argv": [*GPU_PLAN["argv"], "--max-num-seqs", "8"]}, many, 1024)):
+        assert "max-num-seqs-above-default" not in _listed(plan, workload, vllm_max_num_seqs=default)
+
+
+def test_more_gpu_memory_is_tried_where_the_plan_kept_vllms_share_and_the_operator_set_none():
+    found = _listed(GPU_PLAN, Workload())["gpu-memory-utilization"]
+    # The plan sets the flag to vLLM's value itself; the candidate replaces it.
+    assert found.flags == ("--gpu-memory-utilization", "0.95")
+    assert "the GPU's one user" in found.why and "vLLM refuses to start" in found.why
+    assert "about 400,000 tokens" in found.why  # 5% of 80 GiB over a 40 GiB cache
+    for plan in ({**GPU_PLAN, "gpu_memory_utilization": 0.85},  # a reduced or hand-set share
+                 {**GPU_PLAN, "overrides": ["--gpu-memory-utilization", "0.90"]},  # the operator's
+                 {**GPU_PLAN, "engine": "cpu", "gpu_memory_utilization": None, "budget": None}):
+        assert "gpu-memory-utilization" not in _listed(plan, Workload())
+
+
+def test_ngram_speculation_is_tried_at_low_concurrency_and_applied_only_when_allowed():
+    found = _listed(GPU_PLAN, Workload(concurrency=(1, 16)))["ngram-speculative"]
+    assert json.loads(found.flags[1]) == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+    assert "random weights" in found.why and "--allow-speculative" in found.held_back
+    allowed = _listed(GPU_PLAN, Workload(concurrency=(1, 16)), allow_speculative=True)["ngram-speculative"]
+    assert allowed.held_back is None
+    for plan, workload in ((GPU_PLAN, Workload(concurrency=(16, 64))),  # no low level
+                           ({**GPU_PLAN, "pipeline_parallel_size": 2}, Workload()),
+                           ({**GPU_PLAN, "engine": "cpu"}, Workload()),
+                           ({**GPU_PLAN, "argv": [*GPU_PLAN["argv"], "--speculative-config", "{}"]}, Workload())):
+        assert "ngram-speculative" not in _listed(plan, workload)
+    assert operator_candidates(["--speculative-config {}"])[0].held_back is not None
+    assert operator_candidates(["--speculative-config {}"], allow_speculative=True)[0].held_back is None
+
+
+def test_a_speculative_winner_is_reported_but_applied_only_when_allowed(tmp_path: Path):
+    held = Candidate("ngram", ("--speculative-config", "{}"), "", held_back="not allowed")
+    engine = Bench({"ngram": everywhere(1.6)})
+    outcome = search([held], engine.measure, Store(tmp_path / "a", "k"), 3600, SLO, log=quiet,
+                     clock=lambda: engine.now)
+    verdicts = {m.candidate.name: v.decision for m, v in outcome.measured}
+    assert verdicts["ngram"] == "wins" and outcome.winner is outcome.baseline
+    assert "not applied (not allowed); WINS" in format_table(outcome, SLO)
+    engine = Bench({"ngram": everywhere(1.6)})
+    outcome = search([replace(held, held_back=None)], engine.measure, Store(tmp_path / "b", "k"), 3600, SLO,
+                     log=quiet, clock=lambda: engine.now)
+    assert outcome.winner.candidate.name == "ngram"
+
+
+def test_vllms_defaults_are_measured_once_reported_and_never_applied(tmp_path: Path):
+    engine = Bench({"vllm defaults": everywhere(1.6), "seqs": everywhere(1.3)})
+    outcome = search(SINGLES, engine.measure, Store(tmp_path, "k"), 3600, SLO, log=quiet, clock=lambda: engine.now)
+    assert engine.started.count("vllm defaults") == 1 and engine.started[:2] == ["plan", "vllm defaults"]
+    assert outcome.winner.candidate.name == "seqs"
+    document = tuned_document(outcome, "k", Workload(slo=SLO))
+    defaults = next(c for c in document["candidates"] if c["name"] == "vllm defaults")
+    assert defaults["decision"] == "wins" and defaults["held_back"] and defaults["points"]
+    assert "--max-num-seqs" in document["flags"] and "vllm defaults" not in document["winner"]
+    row = next(line for line in format_table(outcome, SLO).splitlines() if line.startswith("vllm defaults"))
+    assert "not applied" in row and "WINS" in row and "[" in row
+    assert DEFAULTS.key != PLAN.key  # stored apart from the plan's own run
+
+
+def test_the_defaults_run_keeps_only_what_memory_and_correctness_need(tmp_path: Path, monkeypatch):
+    from kimi_service import launcher
+    from kimi_service.tune import EngineRun
+
+    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--served-model-name", "m",
+            "--host", "0.0.0.0", "--port", "8000", "--max-model-len", "8192", "--max-num-seqs", "4",
+            "--enable-prefix-caching", "--kv-cache-memory-bytes=1073741824", "--dtype", "bfloat16",
+            "--speculative-config", '{"method":"ngram"}', "--trust-remote-code", "--max-num-batched-tokens",
+            "2048", "--shutdown-timeout", "30", "--enable-server-load-tracking", "--middleware", "gate.Gate"]
+    assert defaults_argv(argv) == [
+        "python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--served-model-name", "m",
+        "--host", "0.0.0.0", "--port", "8000", "--max-model-len", "8192", "--kv-cache-memory-bytes=1073741824",
+        "--dtype", "bfloat16", "--trust-remote-code", "--shutdown-timeout", "30", "--enable-server-load-tracking",
+        "--middleware", "gate.Gate"]
+    assert "--max-num-seqs" not in DEFAULTS_KEEP and "--max-model-len" in DEFAULTS_KEEP
+    monkeypatch.setattr(launcher, "prepare", lambda config, apply_tuned: launcher.Launch(argv, {}, {}))
+    config = _config(tmp_path)
+    assert EngineRun(config, DEFAULTS, tmp_path / "log").launch.argv == defaults_argv(argv)
+    assert EngineRun(config, PLAN, tmp_path / "log").launch.argv == argv

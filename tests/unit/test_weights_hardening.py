@@ -6,8 +6,14 @@ planted link, what a resume splices, what a source that sends more than it lists
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
+import shutil
 import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -128,6 +134,124 @@ def test_a_partial_file_owned_by_another_user_is_not_resumed(hub, model_dir, tmp
     assert hub.gets(BIG)[-1].range is None
     assert (dest / BIG).stat().st_uid == 0
     _same_tree(model_dir, dest)
+
+
+# --- issue 39: root never follows a link planted in a directory the service user owns --------------
+
+SERVICE_USER = "nobody"
+SECRET = b"root-only secret\n"
+as_root_with_a_service_user = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root and runuser to act as another user")
+
+
+def _as_service_user(*argv: str) -> None:
+    subprocess.run(["runuser", "-u", SERVICE_USER, "--", *argv], check=True)
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    path = tmp_path / "root-only"
+    path.write_bytes(SECRET)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def service_dir(model_dir) -> Iterator[Path]:
+    """A state directory the service user owns, holding a copy of the model it owns too."""
+    base = Path(tempfile.mkdtemp(prefix="kimi-service-state-"))
+    try:
+        base.chmod(0o755)  # the service user must reach its directory to plant anything
+        state = base / "state"
+        shutil.copytree(model_dir, state / "model")
+        account = pwd.getpwnam(SERVICE_USER)
+        for path in [state, *state.rglob("*")]:
+            os.lchown(path, account.pw_uid, account.pw_gid)
+        yield state
+    finally:
+        shutil.rmtree(base)
+
+
+def _local_fetch(source: Path, dest: Path) -> list[str]:
+    return ["fetch", "--source", "local", "--local-path", str(source), "--dest", str(dest), "--repo", REPO]
+
+
+def _holds_secret(tree: Path) -> bool:
+    """Whether a plain file (a copy, not the planted link itself) holds the secret."""
+    return any(p.is_file() and not p.is_symlink() and SECRET in p.read_bytes() for p in tree.rglob("*"))
+
+
+@as_root_with_a_service_user
+@pytest.mark.parametrize("planted", ["stolen.bin", "sub/stolen.bin"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in-place"])
+def test_a_link_planted_in_a_local_source_is_refused_and_its_target_never_copied(
+        service_dir, tmp_path, secret, capsys, planted, in_place):
+    source = service_dir / "model"
+    _as_service_user("ln", "-s", str(secret), str(source / planted))
+    dest = source if in_place else tmp_path / "m"
+    rc = main(_local_fetch(source, dest))
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and f"{source / planted} is a symbolic link" in err and "Traceback" not in err
+    assert not dest.exists() or not _holds_secret(dest)
+    assert (secret.read_bytes(), stat.S_IMODE(secret.stat().st_mode)) == (SECRET, 0o600)
+
+
+@as_root_with_a_service_user
+@pytest.mark.parametrize("swapped", [".", "sub"], ids=["the-source", "a-subdirectory"])
+def test_a_source_directory_swapped_for_a_link_after_the_listing_is_not_read_through(
+        service_dir, tmp_path, model_dir, monkeypatch, swapped):
+    """What the copy reads is what was listed: the same directories, held open, never a path resolved again."""
+    source = service_dir / "model"
+    decoy = tmp_path / "root-only-dir"
+    shutil.copytree(model_dir / swapped, decoy)
+    for path in decoy.rglob("*"):
+        if path.is_file():
+            path.write_bytes(SECRET.ljust(path.stat().st_size, b"#")[:path.stat().st_size])
+    decoy.chmod(0o700)
+    listed = weights.list_local
+
+    def list_then_swap(*args, **kwargs):
+        listing = listed(*args, **kwargs)
+        victim = source / swapped
+        _as_service_user("mv", str(victim), f"{victim}.old")
+        _as_service_user("ln", "-s", str(decoy), str(victim))
+        return listing
+
+    monkeypatch.setattr(weights, "list_local", list_then_swap)
+    dest = tmp_path / "m"
+    weights.fetch(weights.FetchRequest(source="local", repo=REPO, revision="main", dest=dest, local_path=source))
+    _same_tree(model_dir, dest)
+    assert not _holds_secret(dest)
+
+
+@as_root_with_a_service_user
+def test_write_manifest_refuses_a_link_at_the_manifest_and_leaves_its_target_alone(service_dir, secret, capsys):
+    source = service_dir / "model"
+    _as_service_user("ln", "-s", str(secret), str(source / weights.MANIFEST_NAME))
+    rc = main(["fetch", "--write-manifest", "--dest", str(source)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "is a symbolic link" in err, err
+    assert (secret.read_bytes(), stat.S_IMODE(secret.stat().st_mode)) == (SECRET, 0o600)
+
+
+@as_root_with_a_service_user
+def test_a_link_planted_at_the_manifest_while_hashing_is_replaced_not_written_through(
+        service_dir, secret, model_dir, monkeypatch):
+    source = service_dir / "model"
+    hashed = weights.hash_fd
+
+    def plant_then_hash(fd: int) -> str:
+        if not (source / weights.MANIFEST_NAME).is_symlink():
+            _as_service_user("ln", "-s", str(secret), str(source / weights.MANIFEST_NAME))
+        return hashed(fd)
+
+    monkeypatch.setattr(weights, "hash_fd", plant_then_hash)
+    manifest = weights.write_manifest(source)
+    assert (secret.read_bytes(), stat.S_IMODE(secret.stat().st_mode)) == (SECRET, 0o600)
+    assert not manifest.is_symlink()
+    listed = {f["path"] for f in json.loads(manifest.read_text())["files"]}
+    assert listed == {p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*") if p.is_file()}
 
 
 # --- item 5: a resume is valid only against the same commit and ETag --------------------------
