@@ -63,7 +63,12 @@ def _bounded(timeout: float | None) -> float | None:
     return left if timeout is None else min(timeout, left)
 
 
-class _DeadlineStream(httpcore.NetworkStream):
+# httpcore before 0.17 (Debian 12's, under a host's minimal venv) has no pluggable network backend: there the
+# module still imports, and local clients keep httpx's per-read timeouts.
+_BACKENDS = hasattr(httpcore, "NetworkStream") and hasattr(httpcore, "NetworkBackend")
+
+
+class _DeadlineStream(httpcore.NetworkStream if _BACKENDS else object):
     def __init__(self, stream: httpcore.NetworkStream) -> None:
         self._stream = stream
 
@@ -84,7 +89,7 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self._stream.get_extra_info(info)
 
 
-class _DeadlineBackend(httpcore.NetworkBackend):
+class _DeadlineBackend(httpcore.NetworkBackend if _BACKENDS else object):
     def __init__(self) -> None:
         self._backend = httpcore.SyncBackend()
 
@@ -124,7 +129,8 @@ def _proxy_refused(url: str, exc: Exception) -> UsageError:
 def client_for(url: str, **kwargs: Any) -> httpx.Client:
     """A client for requests to `url`'s host: see the module's docstring."""
     if is_local(url):
-        return httpx.Client(transport=_DeadlineTransport(), trust_env=False, **kwargs)
+        transport = _DeadlineTransport() if _BACKENDS else httpx.HTTPTransport()
+        return httpx.Client(transport=transport, trust_env=False, **kwargs)
     try:
         return httpx.Client(**kwargs)  # the environment's proxies apply, and httpx's per-read timeouts
     except (ImportError, ValueError, httpx.InvalidURL) as exc:

@@ -161,7 +161,7 @@ def test_exporter_serves_health_plan_and_nvml_down_series(served: Served, tmp_pa
         assert health == {"liveness": 0, "readiness": 0, "smoke": 0}
         assert 0 < samples["kimi_smoke_latency_seconds"][0].value < 20
         assert samples["kimi_nvml_up"][0].value == 0
-        assert "NVML" in samples["kimi_nvml_up"][0].labels["reason"]
+        assert samples["kimi_nvml_up"][0].labels["reason"] == "missing"  # a code, never free text
         info = samples["kimi_plan_info"][0].labels
         plan = json.loads(served.plan_file.read_text())
         assert info["model"] == SERVED_NAME and info["kv_cache_tokens"] == str(plan["kv_cache_tokens"])
