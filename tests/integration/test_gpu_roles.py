@@ -284,7 +284,7 @@ def test_preflight_stops_when_the_planner_says_it_does_not_fit(plain):
     unplanned = ansible_playbook("playbooks/preflight.yml", inventory, "-e", "kimi_preflight_plan=false", extra_vars={
         "kimi_model": "moonshotai/Kimi-K2.5", "kimi_preflight_gpus": "H200:1"})
     assert "Planner check skipped: kimi_preflight_plan is false" in unplanned.output, str(unplanned)
-    assert "does not fit" not in unplanned.output, str(unplanned)
+    assert "does not fit on H200:1" not in unplanned.output, str(unplanned)
     # It fits on 8 GPUs; then the planner's weight size drives the disk check, which a test host's
     # disk cannot pass for a ~550 GiB model.
     fits = ansible_playbook("playbooks/preflight.yml", inventory, extra_vars={
