@@ -79,6 +79,13 @@ def _host_problem(value: str) -> str | None:
     return "an IP address or a host name (RFC 1123)"
 
 
+def _target_problem(value: str) -> str | None:
+    """An address a connection plugin reaches: an IP address (v4 or v6) or a name (a container's too)."""
+    if _ip_problem(value) is None or _NAME.fullmatch(value):
+        return None
+    return "an IP address or a name of letters, digits and . _ - (not starting with . or -)"
+
+
 def _port_problem(value: Any) -> str | None:
     text = str(value)
     if isinstance(value, bool) or not text.isascii() or not text.isdigit() or int(text) not in PORTS:
@@ -162,6 +169,7 @@ KINDS: dict[str, Callable[[Any], str | None]] = {
     "ip": _ip_problem,
     "cidr": _cidr_problem,
     "host": _host_problem,
+    "target": _target_problem,
     "hostname": _hostname_problem,
     "listen": _listen_problem,
     "url": _url_problem,
