@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from kimi_service.model import inspect_model
 from kimi_service.route_gate import FORWARDED_ALLOW_IPS
 from kimi_service.tuned import Workload, configuration_key, tuned_flags
 from kimi_service.untrusted import UntrustedInput, read_bytes, read_json
+from tests.support.local_http import serve_in_thread
 from tests.unit.test_untrusted_responses import FakeEngine
 
 
@@ -75,9 +76,7 @@ class RecordingProxy:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve_in_thread(Handler)
 
 
 @pytest.fixture()

@@ -4,15 +4,15 @@ the OpenAI API: report it (degraded, with the body's start), never crash or keep
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from kimi_service import exporter, health
 from kimi_service.cli import main
+from tests.support.local_http import serve_in_thread
 
 GOOD = {"/health": (200, b""), "/v1/models": (200, json.dumps({"data": [{"id": "kimi"}]}).encode()),
         "/v1/chat/completions": (200, json.dumps({"choices": [{"message": {"content": "OK"}}]}).encode())}
@@ -38,9 +38,7 @@ class FakeEngine:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve_in_thread(Handler)
 
 
 @pytest.fixture()
