@@ -26,8 +26,9 @@ import httpx
 
 from kimi_service.errors import UsageError
 from kimi_service.values import is_repo_id
-from kimi_service.weights_download import open_range, verify_fd
+from kimi_service.weights_download import verify_fd
 from kimi_service.weights_sources import FetchError, Listing, RemoteFile, hub_client, list_remote
+from kimi_service.weights_transport import open_range
 
 # The files the planner reads (config.json is required). vLLM reads a ModelOpt export's quantization from
 # hf_quant_config.json; generation, tokenizer and preprocessor configs tell the defaults and the chat template.

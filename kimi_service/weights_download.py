@@ -7,6 +7,12 @@ of a large file travel at once. Each partial file `<name>.incomplete` has a stat
 the source sent, and how far each range got. A later run resumes only against the same commit and
 ETag, and fetches only what the ranges still miss. Nothing is ever written beyond a range's end, so
 a source cannot write more than it listed.
+
+Bytes from two answers make one file only when that is provable: the source publishes the file's hash
+(checked once it is whole), or it sent a strong ETag that each later range request repeats as If-Range
+(a changed file then comes back whole) and the Content-Range's total is the listed size. A weak ETag or a
+Last-Modified date can stay the same when a file is rewritten within a second: without a hash, such a
+file travels as one range and an interrupted transfer starts over.
 """
 
 from __future__ import annotations
@@ -17,8 +23,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -27,13 +32,12 @@ from kimi_service.safedir import SafeDir
 from kimi_service.weights_sources import (
     INCOMPLETE_SUFFIX,
     STATE_SUFFIX,
-    TOKEN_HINT,
     FetchError,
     LocalSourceRefused,
     RemoteFile,
 )
+from kimi_service.weights_transport import CHUNK, Reply, open_range, strong_validator
 
-CHUNK = 1 << 20
 STATE_VERSION = 1
 MAX_CONNECTIONS = 32
 DEFAULT_CONNECTIONS = 8
@@ -213,60 +217,6 @@ def _contiguous(ranges: list[list[int]], size: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Transports
-
-
-@dataclass
-class Reply:
-    status: int
-    etag: str | None
-    length: int | None
-    content_range: str | None
-    chunks: Iterator[bytes]
-
-
-@contextmanager
-def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int | None,
-               local: SafeDir | None = None) -> Iterator[Reply]:
-    """GET `remote` from `offset` (to `end`, exclusive, when given); from the `local` source's tree, when
-    given, the file is read through the directory descriptors it was listed with, never by path."""
-    if local is not None:
-        fd = local.open_read(remote.path)
-        if fd is None:
-            raise LocalSourceRefused(f"{local.path / remote.path} is no plain file of the local source any "
-                                     "more; refusing to read through it as root")
-        with os.fdopen(fd, "rb") as source:
-            source.seek(offset)
-            yield Reply(206, None, None, None, _read_file(source, None if end is None else end - offset))
-        return
-    headers = {}
-    if offset or end is not None:
-        headers["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
-    with client.stream("GET", remote.url, headers=headers) as response:
-        if response.status_code in (401, 403):
-            raise FetchError(f"{remote.url} answered {response.status_code}: {remote.path} needs a token with "
-                             f"access ({TOKEN_HINT})")
-        if response.status_code not in (200, 206):
-            raise FetchError(f"{remote.url} answered {response.status_code} for {remote.path}")
-        length = response.headers.get("Content-Length")
-        # python -m http.server (the fan-out) sends no ETag, only Last-Modified: either validates a resume.
-        validator = response.headers.get("ETag") or response.headers.get("Last-Modified")
-        yield Reply(response.status_code, validator,
-                    int(length) if length and length.isdigit() else None,
-                    response.headers.get("Content-Range"), response.iter_bytes())
-
-
-def _read_file(source, remaining: int | None) -> Iterator[bytes]:
-    while remaining is None or remaining > 0:
-        chunk = source.read(CHUNK if remaining is None else min(CHUNK, remaining))
-        if not chunk:
-            return
-        if remaining is not None:
-            remaining -= len(chunk)
-        yield chunk
-
-
-# ---------------------------------------------------------------------------------------------
 # One file's ranges
 
 
@@ -320,7 +270,7 @@ class FileJob:
                 raise _Cancelled
             if etag != self.state.etag:
                 if self.state.done_bytes:
-                    raise _Stale
+                    raise _Stale("the file changed since its first bytes came")
                 self.state.etag = etag
                 self.save()
 
@@ -419,14 +369,23 @@ class Downloader:
         self._error: BaseException | None = None
         self._stop = threading.Event()
 
-    def layout(self, size: int) -> list[list[int]]:
-        return plan_ranges(size, self.settings.range_size, self.settings.connections)
+    def layout(self, remote: RemoteFile) -> list[list[int]]:
+        if not self._provable(remote):
+            return [[0, remote.size, 0]]  # parts of two versions of it could not be told apart
+        return plan_ranges(remote.size, self.settings.range_size, self.settings.connections)
+
+    def _provable(self, remote: RemoteFile, validator: str | None = None) -> bool:
+        """Whether bytes of `remote` from several answers are provably one file's: a published hash
+        checks the whole, a strong ETag (with If-Range) each part; a local source's file is read
+        through the descriptor it was listed with."""
+        return remote.published_hash or self.local is not None or strong_validator(validator)
 
     def run(self, jobs: list[FileJob]) -> dict[str, str | None]:
         """Download every job's missing ranges, verify and move each file into place."""
         self._remaining = len(jobs)
         for job in jobs:
-            todo = job.start(None if job.state.done_bytes else self.layout(job.remote.size))
+            todo = job.start(None if self._provable(job.remote, job.state.etag) and job.state.done_bytes
+                             else self.layout(job.remote))
             self._put(job, todo)
         workers = [threading.Thread(target=self._work, daemon=True, name=f"fetch-{n}")
                    for n in range(self.settings.connections)]
@@ -487,8 +446,13 @@ class Downloader:
         while True:
             try:
                 return self._transfer(job, index, gen)
-            except _Stale:
-                self._restart(job, gen, self.layout(job.remote.size))
+            except _Stale as exc:
+                with job.lock:
+                    job.failures += 1  # a source whose file keeps changing is not waited for forever
+                    failures = job.failures
+                if failures > 1:
+                    self._backoff(job, failures - 1, exc)
+                self._restart(job, gen, self.layout(job.remote))
             except _NoRanges:
                 self._restart(job, gen, [[0, job.remote.size, 0]])
             except (SourceMisbehaves, LocalSourceRefused):  # retrying would only meet it again
@@ -510,12 +474,13 @@ class Downloader:
                 raise _Cancelled
             start, end, done = job.state.ranges[index]
             single = len(job.state.ranges) == 1
+            validator = job.state.etag if done and strong_validator(job.state.etag) else None
             fd = os.dup(job.fd)
         try:
             if start + done >= end:
                 return
             with open_range(self.client, job.remote, start + done, None if single else end,
-                            self.local) as reply:
+                            self.local, if_range=validator) as reply:
                 body_at = self._accept(job, index, gen, reply, offset=start + done, end=end)
                 out = _RangeWriter(job, gen, index, fd, body_at)
                 try:
@@ -533,16 +498,23 @@ class Downloader:
     def _accept(self, job: FileJob, index: int, gen: int, reply: Reply, *, offset: int, end: int) -> int:
         """Check a reply before a byte of it is written; return the offset its body starts at."""
         job.check_reply(gen, reply.etag)
+        resumed = offset > job.state.ranges[index][0]
+        if resumed and reply.status == 206 and not self._provable(job.remote, reply.etag):
+            # Nothing proves the bytes on disk are of the version this answer sends.
+            raise _Stale("a resume the source cannot vouch for (no published hash, no strong ETag)")
         if reply.status == 200 and (offset or len(job.state.ranges) > 1):
             if len(job.state.ranges) > 1:
                 raise _NoRanges
             job.rewind(gen, index)  # the whole file again: start over rather than append
             offset = 0
         elif reply.status == 206 and reply.content_range is not None:
-            first = reply.content_range.removeprefix("bytes ").split("-", 1)[0]
-            if first != str(offset):
+            first, _, total = reply.content_range.removeprefix("bytes ").partition("/")
+            if first.split("-", 1)[0] != str(offset):
                 raise SourceMisbehaves(f"{job.remote.path}: asked for bytes from {offset}, the source "
                                        f"answered {reply.content_range!r}")
+            if total not in ("*", str(job.remote.size)):
+                raise SourceMisbehaves(f"{job.remote.path}: listed with {job.remote.size} bytes, the source now "
+                                       f"has {total[:40]!r}: the file changed since the listing; run the fetch again")
         if reply.length is not None and reply.length > end - offset:
             raise SourceMisbehaves(
                 f"{job.remote.path}: the source listed {job.remote.size} bytes but sends "
@@ -564,7 +536,7 @@ class Downloader:
                 job.failures += 1
                 failures = job.failures
             self._backoff(job, failures, exc)
-            self._restart(job, gen, self.layout(remote.size))
+            self._restart(job, gen, self.layout(remote))
         finally:
             if fd is not None:
                 os.close(fd)

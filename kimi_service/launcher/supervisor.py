@@ -24,6 +24,7 @@ from kimi_service.launcher.cluster import FollowerWatch
 from kimi_service.launcher.engine import EngineApi, EngineProcess, Pace, watchdog_interval
 from kimi_service.launcher.follower import run_follower
 from kimi_service.launcher.launch import Launch, prepare, write_plan
+from kimi_service.launcher.listener import foreign_listener
 from kimi_service.launcher.process import EngineGroupRecord, serve_lock
 from kimi_service.launcher.sockets import waiting_connections
 from kimi_service.launcher.status import Readiness, status_server
@@ -31,6 +32,11 @@ from kimi_service.sdnotify import Notifier
 
 # serve's journal lines carry one name, whichever of its modules writes them.
 log = logging.getLogger(__package__)
+
+# /ready turns 503 once the engine missed this many /health probes in a row: one slow answer (an engine
+# busy on a loaded host) is no reason for the balancers to take the replica out, which their own checks
+# would do within seconds (kimi_balancer_check_fall).
+UNREADY_AFTER_FAILED_PROBES = 2
 
 
 class Supervisor:
@@ -147,6 +153,7 @@ class Supervisor:
                     1)
             if self.api.healthy(client):
                 if not alive:
+                    self._refuse_a_stranger_on_the_port()  # before the first request with the key
                     alive = True
                     self.notifier.notify(STATUS="engine up: waiting for the model to be listed")
                 if self.api.lists(client, self.config.model.served_name):
@@ -156,6 +163,18 @@ class Supervisor:
             # No watchdog ping here: systemd arms it only after READY=1; TimeoutStartSec guards loading.
             self.stopping.wait(min(1.0, self.pace.interval))
         return False
+
+    def _refuse_a_stranger_on_the_port(self) -> None:
+        """What answers on the API port must be the engine serve started: a program that bound it first
+        would get the key with the next probe."""
+        assert self.engine.child is not None
+        port = self.config.api.port
+        stranger = foreign_listener(port, self.engine.child.pid)
+        if stranger:
+            self.engine.kill_group()
+            raise EngineFailed(f"port {port} (api.port) is held by {stranger}, not by the engine serve started; "
+                               "no request with the key was sent there. Stop that program or choose another "
+                               "api.port", 2)
 
     def _supervise(self, client: httpx.Client) -> None:
         failures = 0
@@ -172,7 +191,8 @@ class Supervisor:
                     self.notifier.notify(WATCHDOG=1)
             else:
                 failures += 1
-                self.readiness.set("engine not answering")
+                if failures >= UNREADY_AFTER_FAILED_PROBES:
+                    self.readiness.set("engine not answering")
                 self.notifier.notify(STATUS=f"engine not answering /health ({failures} probes)")
                 log.warning("vLLM /health did not answer (%d in a row)%s", failures,
                             "; withholding the watchdog ping" if self.pace.watchdog else "")

@@ -298,4 +298,5 @@ def test_preflight_stops_when_the_planner_says_it_does_not_fit(plain):
                                          "kimi_model_local_path": str(ensure_tiny_model()),
                                          "kimi_preflight_gpus": "H100-SXM5-80GB:1"})
     assert local.returncode == 0, str(local)
-    assert ("preflight : Record the plan for later stages", "ok") in local.task_statuses(), str(local)
+    recorded = ("preflight : Record the plan and the commit it read for later stages", "ok")
+    assert recorded in local.task_statuses(), str(local)

@@ -183,13 +183,16 @@ def test_fanout_gets_through_the_first_hosts_firewall_only_while_it_copies(conve
     assert "kimi-weights-fanout" not in first.ssh("systemctl list-units --all --no-legend").stdout
 
 
-def test_preflight_plans_the_hub_model_and_the_weights_stage_fetches_only_that_commit(converged, inventory, hub):
+def test_preflight_plans_the_hub_model_and_the_weights_stage_fetches_only_that_commit(converged, inventory, hosts,
+                                                                                      hub, tmp_path):
     """kimi-test/tiny-llama is in no catalog: preflight plans it on the controller from the hub's listing and
     small files (no weight byte), and records the commit it read; the weights stage takes that commit and
     no other, so a branch that moved between the plan and the fetch is named, not fetched. Last in this
     module: it moves the hub's branch."""
     hub.log.clear()
-    plan = ansible_playbook("playbooks/preflight.yml", inventory,
+    # An empty cache of the hub's small files on the controller: a warm one (an earlier run's, kept by
+    # commit) would answer for the hub.
+    plan = ansible_playbook("playbooks/preflight.yml", inventory, env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
                             extra_vars={"kimi_preflight_gpus": "H100-SXM5-80GB:1"})
     assert plan.returncode == 0, str(plan)
     assert ("preflight : Record the plan and the commit it read for later stages", "ok") in plan.task_statuses()
@@ -199,6 +202,8 @@ def test_preflight_plans_the_hub_model_and_the_weights_stage_fetches_only_that_c
     planned = hub.commit
     same = ansible_playbook("playbooks/weights.yml", inventory, "-e", f"kimi_model_planned_commit={planned}")
     assert same.returncode == 0 and same.changed == 0, str(same)
+    for host in hosts:  # weights already there are the planned commit's: only a fetch reads the branch again
+        host.ssh(f"rm -r {MODEL_DIR}")
     hub.commit = "b" * 40  # main moved after the plan
     try:
         moved = ansible_playbook("playbooks/weights.yml", inventory, "-e", f"kimi_model_planned_commit={planned}")

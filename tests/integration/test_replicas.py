@@ -424,9 +424,9 @@ def test_broken_upgrade_rolls_back_and_the_endpoint_never_stops_answering(conver
     assert first.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
     assert first.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
     assert _main_pid(second) == untouched, "the upgrade stopped before the next replica"
-    assert {name: s["state"] for name, s in _servers(balancer).items()} == {r.name: "UP" for r in replicas}
     # Drained, taken out, then back once it served its previous version again; the other one never.
     log = balancer.ssh("journalctl -t haproxy --no-pager -o cat | grep -v -F 'POST '").stdout
+    assert {name: s["state"] for name, s in _servers(balancer).items()} == {r.name: "UP" for r in replicas}, log
     events = [m.group(1) for m in re.finditer(rf"^Server kimi_replicas/{first.name} (.+?)\.", log, re.MULTILINE)]
     assert events[-3:] == [
         "enters drain state", "is going DOWN for maintenance", "is UP/READY (leaving forced maintenance)",

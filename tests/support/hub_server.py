@@ -62,6 +62,7 @@ class Request:
     range: str | None
     status: int
     sent: int
+    if_range: str | None = None
 
 
 @dataclass
@@ -81,6 +82,9 @@ class HubServer:
     listings: dict[str, bytes] = field(default_factory=dict)
     manifest_hashes: bool = True  # False: a plain mirror whose manifest lists no sha256
     ignore_ranges: bool = False  # True: a server that always answers 200 with the whole file
+    # How a file's version is told: "strong" (a quoted ETag, as the hub and nginx send), "weak" (W/"..."),
+    # "last-modified" (no ETag, as python -m http.server).
+    validator: str = "strong"
     active: int = 0
     max_active: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -235,7 +239,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- responses -----------------------------------------------------------------------------
     def _record(self, status: int, sent: int) -> None:
-        self.hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, sent))
+        self.hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, sent,
+                                    self.headers.get("If-Range")))
 
     def _raw(self, data: bytes, head: bool) -> None:
         self.send_response(200)
@@ -262,7 +267,15 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(404, {"error": "Entry not found"}, head)
         size = target.stat().st_size
         start, end = 0, size - 1
+        entry = hub.sibling(target)
+        # The hub's ETag is the LFS sha256 or the git blob id; a mirror's (nginx) is its own string.
+        etag = f'"{entry["lfs"]["sha256"] if "lfs" in entry else entry["blobId"]}"'
+        validator = {"strong": ("ETag", etag), "weak": ("ETag", f"W/{etag}"),
+                     "last-modified": ("Last-Modified", self.date_time_string(int(target.stat().st_mtime)))
+                     }[hub.validator]
         match = None if hub.ignore_ranges else _RANGE.match(self.headers.get("Range", ""))
+        if match and self.headers.get("If-Range") not in (None, validator[1]):
+            match = None  # RFC 9110 If-Range: another version than the client's: the whole file
         status = 200
         if match:
             start = int(match[1])
@@ -288,14 +301,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-        entry = hub.sibling(target)
-        # The hub's ETag is the LFS sha256 or the git blob id; a mirror's (nginx) is its own string.
-        etag = entry["lfs"]["sha256"] if "lfs" in entry else entry["blobId"]
-        self.send_header("ETag", f'"{etag}"')
+        self.send_header(*validator)
         if hub_headers:
             self.send_header("X-Repo-Commit", hub.commit)
             if "lfs" in entry:
-                self.send_header("X-Linked-Etag", f'"{etag}"')
+                self.send_header("X-Linked-Etag", etag)
                 self.send_header("X-Linked-Size", str(size))
         self.end_headers()
         if head:

@@ -145,6 +145,20 @@ def test_the_python_versions_agree():
     assert (3, int(package.group(2))) <= (int(checked.group(1)), int(checked.group(2)))
 
 
+# --- The small listeners ------------------------------------------------------------------------------------
+
+def test_the_listener_limits_the_readme_states_are_the_code_s():
+    from kimi_service.http_limits import IDLE_TIMEOUT, MAX_HANDLERS
+    from kimi_service.launcher.supervisor import UNREADY_AFTER_FAILED_PROBES
+
+    words = {2: "two", 3: "three", 4: "four"}
+    text = " ".join(README.read_text().split())
+    said = re.search(r"drop a client silent for (\S+) s and handle at most (\d+) connections", text)
+    assert said, "README's Security section no longer states the listeners' limits"
+    assert (float(said.group(1)), int(said.group(2))) == (IDLE_TIMEOUT, MAX_HANDLERS)
+    assert f"turns 503 after {words[UNREADY_AFTER_FAILED_PROBES]} missed `/health` probes in a row" in text
+
+
 # --- Tags the docs name select tasks ------------------------------------------------------------------------
 
 def _tags(item: dict) -> set[str]:

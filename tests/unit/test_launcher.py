@@ -19,6 +19,7 @@ from kimi_service.config import RESERVED_EXTRA_ENV, parse_config
 from kimi_service.errors import KimiError
 from kimi_service.sdnotify import Notifier, format_message
 from tests.support.fake_pynvml import FakeNvml, NVMLError
+from tests.support.local_http import answer
 
 CONFIG = parse_config({"model": {"path": "/m/tiny"}, "paths": {"state_dir": "/srv/kimi"}})
 
@@ -266,11 +267,7 @@ class _MetricsServer:
                 if self.path == "/load" and outer.load is None:
                     self.send_error(404)
                     return
-                body = (f'{{"server_load": {outer.load}}}' if self.path == "/load" else outer.text).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                answer(self, (f'{{"server_load": {outer.load}}}' if self.path == "/load" else outer.text).encode())
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
@@ -282,6 +279,42 @@ class _MetricsServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def test_one_slow_health_probe_keeps_ready_and_a_silent_engine_turns_it_503() -> None:
+    """A loaded host's engine may miss one /health probe: the balancers must not lose the replica for
+    it; an engine that misses UNREADY_AFTER_FAILED_PROBES in a row is taken out through /ready."""
+    from kimi_service.launcher.supervisor import UNREADY_AFTER_FAILED_PROBES
+
+    server = _MetricsServer()  # answers /health 200 while `text` is set, nothing while it is None
+    config = parse_config({"model": {"path": "/m/tiny"}, "api": {"host": "127.0.0.1", "port": server.port},
+                           "serve": {"probe_interval": 1}})  # probes time out after 0.8 s
+    supervisor = launcher.Supervisor(config, launcher.Launch(argv=[], env={}, plan_document={}), Notifier(None), {})
+    supervisor.engine.child = subprocess.Popen(["sleep", "60"])
+    seen: list[str] = []
+    watcher = threading.Thread(target=lambda: [seen.append(supervisor.readiness.state) or time.sleep(0.05)
+                                               for _ in range(200)], daemon=True)
+    try:
+        with httpx.Client() as client:
+            thread = threading.Thread(target=supervisor._supervise, args=(client,), daemon=True)
+            thread.start()
+            watcher.start()
+            time.sleep(1.2)
+            server.text = None  # exactly one probe goes unanswered
+            time.sleep(1.0)
+            server.text = VLLM_METRICS
+            time.sleep(2.0)
+            assert "engine not answering" not in seen, seen
+            assert seen[-1] == "ready", seen
+            server.text = None  # silent from here on
+            time.sleep(UNREADY_AFTER_FAILED_PROBES * 1.8 + 1.0)
+            assert supervisor.readiness.document()[0] == 503, seen
+    finally:
+        supervisor.stopping.set()
+        server.text = VLLM_METRICS
+        supervisor.engine.child.kill()
+        supervisor.engine.child.wait()
+        server.close()
 
 
 def _draining_supervisor(port: int, drain_timeout: float) -> launcher.Supervisor:

@@ -300,6 +300,52 @@ def test_a_resume_against_another_etag_starts_the_file_over(hub, model_dir, tmp_
     assert (tmp_path / "m" / BIG).read_bytes() == new
 
 
+def _mirror_request(hub: HubServer, dest: Path, **kw) -> weights.FetchRequest:
+    """A plain mirror publishing no hashes."""
+    hub.manifest_hashes = False
+    return weights.FetchRequest(source="http", repo=REPO, revision="main", dest=dest,
+                                endpoint=f"{hub.url}/mirror", retries=0, **kw)
+
+
+def _rewrite_in_the_same_second(root: Path) -> bytes:
+    """The same file, same size, other bytes, and the mtime it had: its ETag or date stays the same."""
+    before = (root / BIG).stat()
+    data = os.urandom(before.st_size)
+    (root / BIG).write_bytes(data)
+    os.utime(root / BIG, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return data
+
+
+@pytest.mark.parametrize("validator", ["weak", "last-modified"])
+def test_without_a_hash_or_strong_etag_a_file_travels_whole_and_is_never_spliced(hub, model_dir, tmp_path,
+                                                                                 validator):
+    """A mirror's weak ETag or Last-Modified date does not change when a file is rewritten within a
+    second: such a file is fetched in one piece, and an interrupted one starts over, so the old first half
+    is never joined to the new second half."""
+    hub.validator = validator
+    request = _mirror_request(hub, tmp_path / "m", range_size=weights.MIN_RANGE_SIZE, connections=4)
+    hub.faults[BIG] = Fault(drop_after=1_000_000)
+    with pytest.raises(weights.FetchError, match="giving up"):
+        weights.fetch(request)
+    assert [r.range for r in hub.gets(BIG)] == [None]  # one range, though ranges of 64 KiB were asked for
+    new = _rewrite_in_the_same_second(model_dir)
+    weights.fetch(request)
+    assert [r.range for r in hub.gets(BIG)] == [None, None]  # no resume
+    assert (tmp_path / "m" / BIG).read_bytes() == new
+
+
+def test_a_resume_from_a_mirror_repeats_its_strong_etag_as_if_range(hub, model_dir, tmp_path):
+    """A strong ETag makes a resume provable only with If-Range: a source whose file changed sends it whole."""
+    request = _mirror_request(hub, tmp_path / "m")
+    hub.faults[BIG] = Fault(drop_after=1_000_000)
+    with pytest.raises(weights.FetchError, match="giving up"):
+        weights.fetch(request)
+    etag = f'"{hub.sibling(model_dir / BIG)["lfs"]["sha256"]}"'  # the hub server's ETag of a large file
+    weights.fetch(request)
+    assert [(r.range, r.if_range, r.status) for r in hub.gets(BIG)][1:] == [("bytes=1000000-", etag, 206)]
+    _same_tree(model_dir, tmp_path / "m")
+
+
 def test_a_partial_file_without_its_state_is_not_resumed(hub, model_dir, tmp_path):
     dest = tmp_path / "m"
     _interrupt(hub, dest)

@@ -7,6 +7,7 @@ exception; what is accepted carries no reserved flag into the engine's argv; not
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import string
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kimi_service import engine_flags, exporter, health, tuned
+from kimi_service import engine_flags, exporter, health, tuned, values
 from kimi_service.cli import main
 from kimi_service.config import Config, ConfigError, parse_config
 from kimi_service.envfile import EnvFileError, parse_env_file
@@ -208,3 +209,33 @@ def test_engine_answers_are_judged_never_raised(body: bytes) -> None:
 def test_device_files_are_bounded(path: str, tmp_path: Path) -> None:
     assert exporter.read_plan(Path(path)) is None
     assert tuned.read_tuned(Path(path)) is None
+
+
+# Inventory values: the characters that would rewrite the file a value is rendered into, mixed with
+# those that make up ordinary values of every kind.
+HOSTILE_PIECES = ["\n", "\r", "\x00", "\u2028", "\x85", "%", "$(", "`", "'", '"', "}", "{{", ";", "#", " ",
+                  "\t", "\\", ":", "/", ".", "-", "[", "]", "::1", "10.0.0.1", "/24", "%i"]
+inventory_text = st.lists(st.sampled_from(HOSTILE_PIECES) | st.text(string.ascii_letters + string.digits, max_size=4),
+                          max_size=8).map("".join)
+# Kinds whose accepted values are one token: nothing in them a file's parser would split on.
+ONE_TOKEN = sorted(set(values.KINDS) - {"line", "local_path", "env"})
+
+
+@PROFILE
+@given(kind=st.sampled_from(sorted(set(values.KINDS) - {"env"})), value=inventory_text)
+@example(kind="cidr", value="::/0\nmeta l4proto tcp accept")
+@example(kind="path", value="/opt/kimi$(id)")
+def test_inventory_values_are_refused_or_land_as_one_line(kind: str, value: str) -> None:
+    """What validation accepts is written into systemd units, supervisord, HAProxy, nftables and Prometheus
+    files: it is one line with no control character, and a one-token kind holds no space or quote."""
+    rule = values.problem(kind, value)
+    if rule is not None:
+        assert isinstance(rule, str) and "\n" not in rule
+        return
+    assert not engine_flags.has_control(value), (kind, value)
+    if kind in ONE_TOKEN:
+        assert not any(c in value for c in " \t'\"`"), (kind, value)
+    if kind == "path":
+        assert not any(c in value for c in "$%;#{}\\"), value
+    if kind in ("ip", "cidr"):
+        assert str(ipaddress.ip_network(value, strict=False)), value
