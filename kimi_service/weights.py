@@ -112,6 +112,8 @@ class FetchRequest:
     token: str = field(default="", repr=False)
     connections: int = DEFAULT_CONNECTIONS
     range_size: int = DEFAULT_RANGE_SIZE
+    # Hosts a file without a published hash may be redirected to (the mirror's own host always).
+    redirect_hosts: tuple[str, ...] = ()
     # The commit the plan was made for: weights of another commit are refused, not fetched.
     expect_commit: str = ""
 
@@ -339,7 +341,8 @@ def _fetch_listed(request: FetchRequest, client: httpx.Client, listing: Listing,
         progress.files_done = len(listing.files) - len(todo)
         progress.write()
         settings = TransferSettings(connections=request.connections, range_size=request.range_size,
-                                    retries=request.retries, verify_full=request.verify == "full")
+                                    retries=request.retries, verify_full=request.verify == "full",
+                                    redirect_hosts=frozenset(request.redirect_hosts))
         jobs = [FileJob(tree, f, listing.commit, progress, states.get(f.path)) for f in todo]
         try:
             hashes = {**trusted, **Downloader(client, settings, sleep, local).run(jobs)}

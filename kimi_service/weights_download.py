@@ -18,6 +18,7 @@ file travels as one range and an interrupted transfer starts over.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 
@@ -36,7 +38,7 @@ from kimi_service.weights_sources import (
     LocalSourceRefused,
     RemoteFile,
 )
-from kimi_service.weights_transport import CHUNK, Reply, open_range, strong_validator
+from kimi_service.weights_transport import CHUNK, RedirectRefused, Reply, open_range, strong_validator
 
 STATE_VERSION = 1
 MAX_CONNECTIONS = 32
@@ -59,6 +61,9 @@ class _Cancelled(Exception):
 
 class _NoRanges(Exception):
     """The source answered a range request with the whole file."""
+
+
+_BEGIN = -1  # the task that opens a file and queues its ranges
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,14 +239,26 @@ class FileJob:
         self.received = 0
         self.announced = False
         self._saved = 0.0
-        fd = tree.reopen(self.partial) if state is not None else None
-        if fd is None:  # no usable state, or the partial file is not a plain file of ours: start afresh
-            if state is not None:
-                progress.advance(-state.done_bytes)
-            tree.remove(remote.path + STATE_SUFFIX)
-            state, fd = None, tree.create(self.partial)
-        self.fd = fd
+        # The partial file is opened when the file's turn comes (begin), and closed once it is done: a
+        # model of thousands of files holds a few descriptors at a time, not one per file.
+        self.fd = -1
+        self._resume = state
         self.state = state or PartialState.fresh(remote, commit, [[0, remote.size, 0]])
+
+    def begin(self, layout: list[list[int]], resumable: Callable[[str | None], bool]) -> list[int]:
+        """Open the partial file (resuming it where its state and `resumable(etag)` allow, else afresh
+        with `layout`); return the indices of the ranges still to fetch."""
+        with self.lock:
+            fd = self.tree.reopen(self.partial) if self._resume is not None else None
+            if fd is None:  # no usable state, or the partial file is not a plain file of ours: start afresh
+                if self._resume is not None:
+                    self.progress.advance(-self._resume.done_bytes)
+                self.tree.remove(self.remote.path + STATE_SUFFIX)
+                self.state = PartialState.fresh(self.remote, self.commit, [[0, self.remote.size, 0]])
+                fd = self.tree.create(self.partial)
+            self.fd, self._resume = fd, None
+            keep = self.state.done_bytes and resumable(self.state.etag)
+            return self.start(None if keep else layout)
 
     def start(self, ranges: list[list[int]] | None = None) -> list[int]:
         """Start (over) with `ranges` when given; return the indices of the ranges still to fetch."""
@@ -354,6 +371,7 @@ class TransferSettings:
     range_size: int = DEFAULT_RANGE_SIZE
     retries: int = 5
     verify_full: bool = False  # hash every file, even those the source publishes no hash for
+    redirect_hosts: frozenset[str] = frozenset()  # where a file without a published hash may be redirected
 
 
 class Downloader:
@@ -363,7 +381,9 @@ class Downloader:
                  sleep: Callable[[float], None] = time.sleep, local: SafeDir | None = None) -> None:
         self.client, self.settings, self.sleep, self.local = client, settings, sleep, local
         self.hashes: dict[str, str | None] = {}
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order: dict[int, int] = {}  # id(job) -> its place in the listing
+        self._sequence = itertools.count()  # ties broken by arrival, never by comparing jobs
         self._done = threading.Condition()
         self._remaining = 0
         self._error: BaseException | None = None
@@ -383,10 +403,9 @@ class Downloader:
     def run(self, jobs: list[FileJob]) -> dict[str, str | None]:
         """Download every job's missing ranges, verify and move each file into place."""
         self._remaining = len(jobs)
-        for job in jobs:
-            todo = job.start(None if self._provable(job.remote, job.state.etag) and job.state.done_bytes
-                             else self.layout(job.remote))
-            self._put(job, todo)
+        for order, job in enumerate(jobs):
+            self._order[id(job)] = order
+            self._enqueue(job, _BEGIN, 0)
         workers = [threading.Thread(target=self._work, daemon=True, name=f"fetch-{n}")
                    for n in range(self.settings.connections)]
         for worker in workers:
@@ -397,24 +416,34 @@ class Downloader:
         finally:
             self._stop.set()
             for _ in workers:
-                self._queue.put(None)
+                self._enqueue(None, _BEGIN, 0)
             for worker in workers:
                 worker.join()
         if self._error is not None:
             raise self._error
         return self.hashes
 
+    def _enqueue(self, job: FileJob | None, index: int | None, gen: int) -> None:
+        """Files are worked on in listing order: a file's ranges come before the next file's begin, so
+        only the files in flight hold a descriptor. The stop sentinel (job None) sorts last."""
+        order = self._order[id(job)] if job is not None else len(self._order)
+        slot = -2 if index == _BEGIN else (-1 if index is None else index)
+        self._queue.put((order, slot, next(self._sequence), job, index, gen))
+
     def _put(self, job: FileJob, todo: list[int]) -> None:
         # A file whose ranges are all on disk (a run stopped just before the rename) is only verified.
         for index in todo or [None]:
-            self._queue.put((job, index, job.gen))
+            self._enqueue(job, index, job.gen)
 
     def _work(self) -> None:
-        while (task := self._queue.get()) is not None:
-            job, index, gen = task
+        while (task := self._queue.get())[3] is not None:
+            _, _, _, job, index, gen = task
             if self._stop.is_set():
                 continue
             try:
+                if index == _BEGIN:
+                    self._put(job, job.begin(self.layout(job.remote), partial(self._provable, job.remote)))
+                    continue
                 self._task(job, index, gen)
             except _Cancelled:
                 pass
@@ -455,7 +484,7 @@ class Downloader:
                 self._restart(job, gen, self.layout(job.remote))
             except _NoRanges:
                 self._restart(job, gen, [[0, job.remote.size, 0]])
-            except (SourceMisbehaves, LocalSourceRefused):  # retrying would only meet it again
+            except (SourceMisbehaves, LocalSourceRefused, RedirectRefused):  # retrying would only meet it again
                 raise
             except (httpx.HTTPError, FetchError) as exc:
                 attempt += 1
@@ -480,7 +509,7 @@ class Downloader:
             if start + done >= end:
                 return
             with open_range(self.client, job.remote, start + done, None if single else end,
-                            self.local, if_range=validator) as reply:
+                            self.local, if_range=validator, redirect_hosts=self.settings.redirect_hosts) as reply:
                 body_at = self._accept(job, index, gen, reply, offset=start + done, end=end)
                 out = _RangeWriter(job, gen, index, fd, body_at)
                 try:

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import httpx
 
 from kimi_service.credentials import bearer
+from kimi_service.engine_flags import has_control
 from kimi_service.errors import KimiError, UsageError
 from kimi_service.safedir import SafeDir, UnsafePath
 
@@ -31,6 +32,8 @@ STATE_SUFFIX = INCOMPLETE_SUFFIX + ".json"
 _RESERVED_SUFFIXES = (INCOMPLETE_SUFFIX, STATE_SUFFIX, STATE_SUFFIX + ".tmp")
 _HEX = re.compile(r"[0-9a-f]+")
 _REVISION = re.compile(r"[\x21-\x7e]{1,256}")
+# Unicode's directional marks, embeddings, overrides and isolates.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 SOURCES = ("hf", "modelscope", "http")
 DEFAULT_ENDPOINTS = {"hf": "https://huggingface.co", "modelscope": "https://www.modelscope.cn"}
 TRANSFER_TIMEOUT = httpx.Timeout(60.0, connect=15.0)
@@ -82,12 +85,14 @@ class Listing:
 
 
 def safe_relpath(path: str) -> str:
-    """A repository path that stays inside the destination, or a FetchError (sources are not trusted)."""
+    """A repository path that stays inside the destination, written one way only, or a FetchError
+    (sources are not trusted): no `.` or `..` component, no empty one, no control, line-separator or
+    bidirectional-override character (a name that shows as another in a terminal)."""
     pure = PurePosixPath(path)
-    if not path or pure.is_absolute() or any(part in ("..", "") for part in pure.parts) or "\\" in path \
-            or any(ord(c) < 0x20 or c == "\x7f" for c in path):
+    if not path or pure.is_absolute() or any(part in (".", "..", "") for part in path.split("/")) \
+            or "\\" in path or has_control(path) or _BIDI.search(path):
         raise BadListing(f"the source listed an unsafe file path {path!r}; refusing to write outside the "
-                         "model directory")
+                         "model directory or under a name that reads as another")
     if pure.name in (MARKER_NAME, MARKER_NAME + ".tmp") or pure.name.endswith(_RESERVED_SUFFIXES):
         raise BadListing(f"the source listed {path!r}, a name kimi-service reserves; refusing it")
     return str(pure)
@@ -190,12 +195,33 @@ def hub_client(token: str, *, connections: int = 1, timeout: httpx.Timeout = TRA
 
 def list_remote(client: httpx.Client, source: str, endpoint: str, manifest_url: str, repo: str,
                 revision: str) -> Listing:
-    """The listing of a repository on the hub, ModelScope or a plain mirror."""
+    """The listing of a repository on the hub, ModelScope or a plain mirror: one tree of distinct files."""
     if source == "hf":
-        return list_hf(client, endpoint, repo, revision)
-    if source == "modelscope":
-        return list_modelscope(client, endpoint, repo, revision)
-    return list_http(client, endpoint, manifest_url, repo, revision)
+        listing = list_hf(client, endpoint, repo, revision)
+    elif source == "modelscope":
+        listing = list_modelscope(client, endpoint, repo, revision)
+    else:
+        listing = list_http(client, endpoint, manifest_url, repo, revision)
+    return one_tree(listing)
+
+
+def one_tree(listing: Listing) -> Listing:
+    """`listing` when its paths make one tree: no path twice (in any letter case: a case-insensitive disk
+    would merge them), none both a file and a directory."""
+    files = {f.path for f in listing.files}
+    seen: dict[str, str] = {}
+    for remote in listing.files:
+        folded = remote.path.casefold()
+        if folded in seen:
+            raise BadListing(f"the listing of {listing.repo} names {remote.path!r} twice"
+                             + (f" (also as {seen[folded]!r})" if seen[folded] != remote.path else "")
+                             + "; refusing a listing whose files would overwrite each other")
+        seen[folded] = remote.path
+        parents = [str(parent) for parent in PurePosixPath(remote.path).parents][:-1]
+        if clash := next((parent for parent in parents if parent in files), None):
+            raise BadListing(f"the listing of {listing.repo} names {clash!r} both as a file and as the directory "
+                             f"of {remote.path!r}; refusing it")
+    return listing
 
 
 def list_hf(client: httpx.Client, endpoint: str, repo: str, revision: str) -> Listing:

@@ -21,6 +21,23 @@ def strong_validator(validator: str | None) -> bool:
     return validator is not None and validator.startswith('"')
 
 
+class RedirectRefused(FetchError):
+    """A file nothing can check was redirected to a host nobody named: the source's setup, not a failure
+    a retry mends."""
+
+    exit_code = 2
+
+
+def _check_redirect(remote: RemoteFile, response: httpx.Response, allowed: frozenset[str]) -> None:
+    if not response.history or remote.published_hash:
+        return  # not redirected, or what arrives is checked against the published hash
+    asked, landed = httpx.URL(remote.url).host, response.url.host
+    if landed != asked and landed not in allowed:
+        raise RedirectRefused(f"{remote.url} redirected to {landed}, a host the listing did not name, and "
+                              f"{remote.path} has no published hash to check what it would send: refused "
+                              f"(--redirect-host {landed} allows it)")
+
+
 @dataclass
 class Reply:
     status: int
@@ -32,10 +49,12 @@ class Reply:
 
 @contextmanager
 def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int | None,
-               local: SafeDir | None = None, if_range: str | None = None) -> Iterator[Reply]:
+               local: SafeDir | None = None, if_range: str | None = None,
+               redirect_hosts: frozenset[str] = frozenset()) -> Iterator[Reply]:
     """GET `remote` from `offset` (to `end`, exclusive, when given), only if it is still `if_range`'s
     version (else the source sends it whole); from the `local` source's tree, when given, the file is
-    read through the directory descriptors it was listed with, never by path."""
+    read through the directory descriptors it was listed with, never by path. A file without a published
+    hash is taken only from the host it was listed at or one of `redirect_hosts`."""
     if local is not None:
         fd = local.open_read(remote.path)
         if fd is None:
@@ -51,6 +70,7 @@ def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int |
         if if_range is not None:
             headers["If-Range"] = if_range
     with client.stream("GET", remote.url, headers=headers) as response:
+        _check_redirect(remote, response, redirect_hosts)
         if response.status_code in (401, 403):
             raise FetchError(f"{remote.url} answered {response.status_code}: {remote.path} needs a token with "
                              f"access ({TOKEN_HINT})")

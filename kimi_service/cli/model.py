@@ -132,6 +132,9 @@ def add_fetch(commands) -> None:
     fetch.add_argument("--range-mib", type=whole, default=64, metavar="MIB",
                        help="size of the byte ranges a large file is fetched in (default 64)")
     fetch.add_argument("--progress-file", type=Path, help="write progress (bytes done/total, rate) as JSON")
+    fetch.add_argument("--redirect-host", action="append", default=[], metavar="HOST",
+                       help="a host a file without a published hash may be redirected to (a mirror's CDN; "
+                       "repeat for several); a file with a published hash may go anywhere, it is checked")
     fetch.add_argument("--expect-commit", default="", metavar="COMMIT",
                        help="refuse to fetch when the revision names another commit (the one the plan read)")
     fetch.add_argument("--check", action="store_true",
@@ -154,7 +157,7 @@ def _run_fetch(args: argparse.Namespace) -> int:
         endpoint=hub_endpoint(args), manifest_url=args.manifest_url,
         local_path=args.local_path, verify=args.verify, reverify=args.reverify, headroom=args.headroom,
         retries=args.retries, progress_file=args.progress_file, connections=args.connections,
-        range_size=args.range_mib << 20,
+        range_size=args.range_mib << 20, redirect_hosts=tuple(args.redirect_host),
         token=hub_token(args), expect_commit=args.expect_commit,
     )
     if args.check:

@@ -85,6 +85,9 @@ class HubServer:
     # How a file's version is told: "strong" (a quoted ETag, as the hub and nginx send), "weak" (W/"..."),
     # "last-modified" (no ETag, as python -m http.server).
     validator: str = "strong"
+    # A host name (e.g. "localhost") file requests made under any other name are redirected to, as a
+    # mirror hands its files to a CDN.
+    redirect_host: str | None = None
     active: int = 0
     max_active: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -265,6 +268,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not name or hub.root.resolve() not in target.parents or not target.is_file():
             self._record(404, 0)
             return self._json(404, {"error": "Entry not found"}, head)
+        asked = self.headers.get("Host", "").rsplit(":", 1)[0]
+        if hub.redirect_host and asked != hub.redirect_host:
+            self.send_response(302)
+            self.send_header("Location", f"http://{hub.redirect_host}:{hub.port}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return self._record(302, 0)
         size = target.stat().st_size
         start, end = 0, size - 1
         entry = hub.sibling(target)

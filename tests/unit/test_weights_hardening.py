@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import resource
 import shutil
 import stat
 import subprocess
@@ -405,6 +406,16 @@ MALFORMED = {
     "commit-with-a-slash-space": b'{"sha": "a b", "siblings": []}',
     "deep": b"[" * 100_000 + b"]" * 100_000,
     "unsafe-path": b'{"siblings": [{"rfilename": "../../etc/cron.d/x", "size": 3}]}',
+    # One file written two ways, or two files at one place: the second would overwrite the first.
+    "a-dot-component": b'{"siblings": [{"rfilename": "./config.json", "size": 3}]}',
+    "a-dot-inside": b'{"siblings": [{"rfilename": "a/./b.bin", "size": 3}]}',
+    "a-path-twice": b'{"siblings": [{"rfilename": "a.bin", "size": 3}, {"rfilename": "a.bin", "size": 4}]}',
+    "a-path-twice-in-case": b'{"siblings": [{"rfilename": "A.bin", "size": 3}, {"rfilename": "a.bin", "size": 3}]}',
+    "a-file-and-a-directory": b'{"siblings": [{"rfilename": "a", "size": 3}, {"rfilename": "a/b.bin", "size": 3}]}',
+    # Names that show as other names: a C1 control, a line separator, a right-to-left override.
+    "a-c1-control": '{"siblings": [{"rfilename": "model\u0085.bin", "size": 3}]}'.encode(),
+    "a-line-separator": '{"siblings": [{"rfilename": "model\u2028.bin", "size": 3}]}'.encode(),
+    "a-bidi-override": '{"siblings": [{"rfilename": "model\u202egpj.bin", "size": 3}]}'.encode(),
 }
 
 
@@ -457,3 +468,48 @@ def test_a_bad_token_in_the_environment_is_refused_without_echo(hub, tmp_path, c
     rc = main(["fetch", "--repo", REPO, "--dest", str(tmp_path / "m"), "--endpoint", hub.url])
     err = capsys.readouterr().err
     assert rc == 2 and "HF_TOKEN" in err and "secret" not in err and "Bearer" not in err
+
+
+# --- redirects -------------------------------------------------------------------------------------
+
+def test_a_file_without_a_hash_is_not_taken_from_a_host_nobody_named(hub, model_dir, tmp_path, capsys):
+    """A mirror publishing no hashes redirects its files elsewhere ("localhost" for "127.0.0.1"): what
+    would come from there could not be checked, so it is refused, naming the host and the option."""
+    hub.manifest_hashes = False
+    hub.redirect_host = "localhost"
+    argv = ["fetch", "--source", "http", "--repo", REPO, "--dest", str(tmp_path / "m"),
+            "--endpoint", f"{hub.url}/mirror", "--retries", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "redirected to localhost, a host the listing did not name" in err and "--redirect-host localhost" in err
+    landed = [p for p in (tmp_path / "m").rglob("*") if p.is_file() and p.stat().st_size
+              and not p.name.endswith(weights.STATE_SUFFIX)]
+    assert landed == [], "a byte was taken from the other host"
+    assert main([*argv, "--redirect-host", "localhost"]) == 0
+    _same_tree(model_dir, tmp_path / "m")
+
+
+def test_a_file_with_a_published_hash_may_be_redirected_anywhere(hub, model_dir, tmp_path):
+    hub.redirect_host = "localhost"  # the hub hands its large files to a CDN: what arrives is hashed
+    weights.fetch(_request(hub, tmp_path / "m"))
+    assert any(r.status == 302 for r in hub.log)
+    _same_tree(model_dir, tmp_path / "m")
+
+
+# --- listings nobody here wrote: many files ---------------------------------------------
+
+def test_many_files_are_fetched_within_a_small_descriptor_limit(model_dir, tmp_path):
+    """A partial file is opened when its turn comes and closed when it is done: 400 files fetch under a
+    limit of 48 descriptors more than the test process already holds (8 connections, 8 files in flight)."""
+    shards = model_dir / "shards"
+    shards.mkdir()
+    for n in range(400):
+        (shards / f"part-{n:05d}.bin").write_bytes(n.to_bytes(4, "big") * 16)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with HubServer(root=model_dir, repo=REPO) as server:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 48, hard))
+        try:
+            weights.fetch(_request(server, tmp_path / "m", verify="size"))
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    _same_tree(model_dir, tmp_path / "m")
