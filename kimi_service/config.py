@@ -336,6 +336,11 @@ def _extra_args(section: _Section) -> tuple[str, ...]:
     return args
 
 
+# Longer than any repo id or model path needs, far below what one argv item may hold (128 KiB): a
+# longer one would pass the check and fail the engine's exec.
+MAX_SERVED_NAME = 1024
+
+
 def _served_name(section: _Section, default: str) -> str:
     """One argv item after --served-model-name: a leading `-` would read as a flag, a newline as two
     lines of the unit's environment, a lone surrogate as a failed write wherever the name goes."""
@@ -343,6 +348,9 @@ def _served_name(section: _Section, default: str) -> str:
     if not name.strip() or name.startswith("-") or name != name.strip():
         raise ConfigError(f"{section.key('served_name')}: {_show(name)} cannot be a served model name; use a "
                           "name without surrounding blanks that does not start with '-'")
+    if len(name) > MAX_SERVED_NAME:
+        raise ConfigError(f"{section.key('served_name')}: a name of {len(name)} characters; use at most "
+                          f"{MAX_SERVED_NAME} (clients send it with every request)")
     if not name.isprintable():  # also a lone surrogate, which no UTF-8 writer can encode
         raise ConfigError(f"{section.key('served_name')}: {_show(name)} holds a character that is not printable "
                           "(a lone surrogate, a format or control character); use printable text")
@@ -501,7 +509,7 @@ def parse_config(data: Any) -> Config:
         probe_interval=s.number("probe_interval", ServeConfig.probe_interval, 0.1),
         ready_port=s.integer("ready_port", ServeConfig.ready_port, 0, 65535),
         withdraw_delay=s.number("withdraw_delay", ServeConfig.withdraw_delay, 0),
-        watchdog_sec=s.integer("watchdog_sec", ServeConfig.watchdog_sec, 0),
+        watchdog_sec=s.integer("watchdog_sec", ServeConfig.watchdog_sec, 0, int(MAX_SECONDS)),
     )
     s.finish()
 

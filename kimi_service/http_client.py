@@ -6,6 +6,8 @@ polls, tune and bench.
 - A SOCKS or malformed proxy variable for a URL elsewhere is a one-line UsageError, not an ImportError.
 - A request to this host's engine is bounded as a whole by its timeout: httpx's own timeouts bound each
   read, so an answer trickling a byte at a time would otherwise stretch a 10-second check without end.
+- An answer from this host's engine is bounded in size (MAX_LOCAL_ANSWER) and asked for unencoded: one that
+  comes compressed anyway (a bomb) or runs past the bound is an httpx error, as an unreachable one is.
 """
 
 from __future__ import annotations
@@ -106,8 +108,46 @@ class _DeadlineBackend(httpcore.NetworkBackend if _BACKENDS else object):
         self._backend.sleep(seconds)
 
 
-class _DeadlineTransport(httpx.HTTPTransport):
-    """httpx's transport, with each request's read timeout as the bound on the whole request."""
+# /metrics of a large deployment is a few hundred KB; every other answer serve and health read is smaller.
+MAX_LOCAL_ANSWER = 16 << 20
+
+
+class AnswerRefused(httpx.HTTPError):
+    """The local engine's answer is larger than MAX_LOCAL_ANSWER or encoded though asked not to be."""
+
+
+class _CappedStream(httpx.SyncByteStream):
+    def __init__(self, stream: httpx.SyncByteStream, limit: int, url: str) -> None:
+        self._stream, self._limit, self._url = stream, limit, url
+
+    def __iter__(self):
+        seen = 0
+        for chunk in self._stream:
+            seen += len(chunk)
+            if seen > self._limit:
+                raise AnswerRefused(f"{self._url} answered more than {self._limit} bytes")
+            yield chunk
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _LocalTransport(httpx.HTTPTransport):
+    """httpx's transport, for this host's engine: answers unencoded and bounded in size."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.headers["Accept-Encoding"] = "identity"
+        response = super().handle_request(request)
+        encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            response.close()
+            raise AnswerRefused(f"{request.url} answered a {encoding[:20]!r}-encoded body, asked for none")
+        response.stream = _CappedStream(response.stream, MAX_LOCAL_ANSWER, str(request.url))
+        return response
+
+
+class _DeadlineTransport(_LocalTransport):
+    """The local transport, with each request's read timeout as the bound on the whole request."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,7 +169,7 @@ def _proxy_refused(url: str, exc: Exception) -> UsageError:
 def client_for(url: str, **kwargs: Any) -> httpx.Client:
     """A client for requests to `url`'s host: see the module's docstring."""
     if is_local(url):
-        transport = _DeadlineTransport() if _BACKENDS else httpx.HTTPTransport()
+        transport = _DeadlineTransport() if _BACKENDS else _LocalTransport()
         return httpx.Client(transport=transport, trust_env=False, **kwargs)
     try:
         return httpx.Client(**kwargs)  # the environment's proxies apply, and httpx's per-read timeouts

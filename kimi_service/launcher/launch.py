@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -124,12 +125,52 @@ def discover(config: Config, nvml_module: ModuleType | None = None) -> hardware.
     return gpus
 
 
+def _check_model_directory(path: Path) -> None:
+    """A directory this user (serve's, after --user) can search and read: the engine runs as it."""
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # a parent this user may not search
+        raise ConfigError(f"model.path: {path}: {exc.strerror}; the service user ({_user()}) must be able to "
+                          "search every directory on the way and read the model's files") from None
+    if not is_dir:
+        raise ConfigError(f"model.path: {path} is not a directory; fetch the weights first "
+                          "(site.yml, weights stage) or point model.path at a model directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ConfigError(f"model.path: {path} cannot be listed and searched by the service user ({_user()}); "
+                          "make it readable to that user (the weights stage leaves it so)")
+    unreadable = [name for name in _model_files(path) if not os.access(path / name, os.R_OK)]
+    if unreadable:
+        shown = ", ".join(unreadable[:3]) + (f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else "")
+        raise ConfigError(f"model.path: {path}: the service user ({_user()}) cannot read {shown}; the engine would "
+                          "fail loading them (the weights stage leaves the files readable to it)")
+
+
+def _model_files(path: Path, depth: int = 2) -> list[str]:
+    """The regular files under `path` (to `depth` levels, links not followed), relative to it."""
+    found: list[str] = []
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False):
+            found.append(entry.name)
+        elif depth > 1 and entry.is_dir(follow_symlinks=False):
+            found += [f"{entry.name}/{name}" for name in _model_files(Path(entry.path), depth - 1)]
+    return sorted(found)
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
 def prepare(config: Config, nvml_module: ModuleType | None = None, *, apply_tuned: bool = True) -> Launch:
     """config -> hardware -> model -> plan (plus the flags `kimi-service tune` measured to win here, unless
     `apply_tuned` is off: what tune itself compares against) -> the exact child command line and environment."""
-    if not config.model.path.is_dir():
-        raise ConfigError(f"model.path: {config.model.path} is not a directory; fetch the weights first "
-                          "(site.yml, weights stage) or point model.path at a model directory")
+    _check_model_directory(config.model.path)
     gpus = discover(config, nvml_module)
     spec = model_inspect.inspect_model(str(config.model.path), config.model.origin)
     engine_version, hardware_name = vllm_version(), gpus.describe()

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,6 +152,9 @@ def test_serve_check_refuses_a_served_name_no_utf8_writer_can_encode_with_exit_2
         ({**MINIMAL, "exporter": {"health_interval": float("inf")}}, "exporter.health_interval: inf is not"),
         ({**MINIMAL, "serve": {"withdraw_delay": 1e300}}, "serve.withdraw_delay: 1e+300 is out of range"),
         ({**MINIMAL, "plan": {"nodes": 2}}, "plan.nodes: 2 needs a cluster section"),
+        # Accepted once, then failing at start: a watchdog no timer holds, a name no exec takes (128 KiB).
+        ({**MINIMAL, "serve": {"watchdog_sec": 10**21}}, "serve.watchdog_sec: 1000000000000000000000 is out of"),
+        ({"model": {**MINIMAL["model"], "served_name": "k" * 200_000}}, "a name of 200000 characters; use at most"),
         ({**MINIMAL, "plan": {"extra_args": [{"a": "b" * 5000}]}}, "expected a list of strings, got [{'a': 'bbb"),
     ],
 )
@@ -191,3 +197,34 @@ def test_load_config_refuses_what_the_yaml_loader_would_otherwise_build(tmp_path
     path.write_text("model: &m\n  path: /m\nplan: *m\n")
     with pytest.raises(ConfigError, match=r"line 3: aliases \(\*m\) are not accepted here"):
         load_config(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming the service user needs root")
+@pytest.mark.parametrize("locked", ["the-directory", "a-weights-file"])
+def test_serve_check_as_the_service_user_refuses_a_model_it_cannot_read(tmp_path: Path, locked: str) -> None:
+    """serve --check --user checks as the user the engine runs as: a model directory it cannot search or a
+    file it cannot read is exit 2 naming the user, not a traceback or an engine failing in a restart loop."""
+    outer = tmp_path / "models"
+    model = outer / "tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(TINY))
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    for directory in (tmp_path, outer, model):
+        directory.chmod(0o755)
+    (model / "config.json").chmod(0o644)
+    (model / "model.safetensors").chmod(0o600 if locked == "a-weights-file" else 0o644)
+    if locked == "the-directory":
+        outer.chmod(0o700)
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  path: {model}\npaths:\n  state_dir: {tmp_path / 'state'}\n"
+                      f"  plan_file: {tmp_path / 'state' / 'plan.json'}\n")
+    config.chmod(0o644)
+    # A process of its own: --user drops this process's privileges for good.
+    run = subprocess.run([sys.executable, "-m", "kimi_service", "serve", "--check", "--config", str(config),
+                          "--user", "nobody"], capture_output=True, text=True, timeout=60, check=False,
+                         cwd="/", env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    err = run.stderr
+    assert run.returncode == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert "the service user (nobody)" in err
+    assert ("cannot read model.safetensors" if locked == "a-weights-file" else "Permission denied") in err
