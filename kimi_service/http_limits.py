@@ -41,12 +41,12 @@ class BoundedThreadingMixIn(ThreadingMixIn):
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             self._hang_up_oldest()
-        # The accept loop waits for the hung-up handler's slot, waking to notice a shutdown.
-        while not self._slots.acquire(timeout=0.2):
-            if self._closing.is_set():
-                self.shutdown_request(request)  # type: ignore[attr-defined]
-                return
-            self._hang_up_oldest()
+            # The accept loop waits for the hung-up handler's slot, waking to notice a shutdown.
+            while not self._slots.acquire(timeout=0.2):
+                if self._closing.is_set():
+                    self.shutdown_request(request)  # type: ignore[attr-defined]
+                    return
+                self._hang_up_oldest()
         with self._open_lock:
             self._open[request] = time.monotonic()
         try:

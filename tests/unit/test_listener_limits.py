@@ -82,6 +82,20 @@ def _survives_idle_connections(url: str, port: int) -> None:
     _wait_for(lambda: _handler_threads() <= before, seconds=IDLE_TIMEOUT + 5)
 
 
+def test_every_connection_gives_its_handler_slot_back() -> None:
+    """Many more requests, one after another, than there are handler slots: each is answered at once (a
+    slot kept by a finished connection would leave the page silent once they are all gone)."""
+    port = free_port()
+    server = status_server("127.0.0.1", port, "/ready", Readiness().document, "only /ready")
+    try:
+        with httpx.Client() as client:
+            for _ in range(3 * MAX_HANDLERS):
+                assert client.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 503
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_ready_server_survives_idle_connections_with_bounded_threads() -> None:
     port = free_port()
     server = status_server("127.0.0.1", port, "/ready", Readiness().document, "only /ready")
