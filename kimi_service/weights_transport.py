@@ -49,7 +49,7 @@ class Reply:
 
 @contextmanager
 def open_range(client: httpx.Client, remote: RemoteFile, offset: int, end: int | None,
-               local: SafeDir | None = None, if_range: str | None = None,
+               local: SafeDir | None = None, *, if_range: str | None = None,
                redirect_hosts: frozenset[str] = frozenset()) -> Iterator[Reply]:
     """GET `remote` from `offset` (to `end`, exclusive, when given), only if it is still `if_range`'s
     version (else the source sends it whole); from the `local` source's tree, when given, the file is
