@@ -54,3 +54,11 @@ def become_user(name: str, own_dirs: Sequence[Path] = (), environ: MutableMappin
     environ.update({"HOME": account.pw_dir, "USER": name, "LOGNAME": name})
     log.info("running as %s (uid %d, gid %d %s)", name, account.pw_uid, account.pw_gid,
              grp.getgrgid(account.pw_gid).gr_name)
+
+
+def user_name(uid: int) -> str | None:
+    """The account name of `uid`, or None where the system has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None

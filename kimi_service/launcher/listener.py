@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-LISTEN = "0A"  # TCP_LISTEN in the kernel's socket tables
+from kimi_service.launcher.identity import user_name
+from kimi_service.launcher.sockets import LISTEN, TABLES
+
 PROC = Path("/proc")
 
 
@@ -24,14 +26,14 @@ class Listener:
     uid: int
 
 
-def listeners(port: int, proc: Path = PROC) -> list[Listener]:
+def listeners(port: int, tables: Iterable[Path] = TABLES) -> list[Listener]:
     """The sockets listening on TCP `port`, any address, in this network namespace."""
     found = []
-    for table in ("net/tcp", "net/tcp6"):
+    for table in tables:
         with contextlib.suppress(OSError):
-            for line in (proc / table).read_text().splitlines()[1:]:
+            for line in table.read_text().splitlines()[1:]:
                 fields = line.split()
-                if len(fields) < 10 or fields[3] != LISTEN:
+                if len(fields) < 10 or fields[3].upper() != LISTEN:
                     continue
                 if int(fields[1].rsplit(":", 1)[1], 16) == port:
                     found.append(Listener(inode=int(fields[9]), uid=int(fields[7])))
@@ -64,16 +66,14 @@ def socket_inodes(pid: int, proc: Path = PROC) -> set[int]:
 
 
 def _owner(uid: int) -> str:
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+    name = user_name(uid)
+    return f"user {name} (uid {uid})" if name else f"uid {uid}"
 
 
 def foreign_listener(port: int, pgid: int, proc: Path = PROC) -> str | None:
     """None when every listener on `port` belongs to process group `pgid` (or there is none yet); else
     what holds the port, in words."""
-    found = listeners(port, proc)
+    found = listeners(port)
     if not found:
         return None
     own: set[int] = set()
