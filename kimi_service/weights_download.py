@@ -309,6 +309,12 @@ class FileJob:
             self.progress.advance(-self.state.ranges[index][2])
             self.state.ranges[index][2] = 0
 
+    def failed(self) -> int:
+        """Count a failed attempt at the whole file; return how many there were."""
+        with self.lock:
+            self.failures += 1
+            return self.failures
+
     def range_done(self, gen: int) -> bool:
         """Count a finished range; True for the one that finished the file."""
         with self.lock:
@@ -476,9 +482,7 @@ class Downloader:
             try:
                 return self._transfer(job, index, gen)
             except _Stale as exc:
-                with job.lock:
-                    job.failures += 1  # a source whose file keeps changing is not waited for forever
-                    failures = job.failures
+                failures = job.failed()  # a source whose file keeps changing is not waited for forever
                 if failures > 1:
                     self._backoff(job, failures - 1, exc)
                 self._restart(job, gen, self.layout(job.remote))
@@ -561,10 +565,7 @@ class Downloader:
                     raise FetchError(f"{remote.path}: the partial file was replaced while downloading")
             digest = verify_fd(fd, remote, self.settings.verify_full or remote.published_hash)
         except FetchError as exc:
-            with job.lock:
-                job.failures += 1
-                failures = job.failures
-            self._backoff(job, failures, exc)
+            self._backoff(job, job.failed(), exc)
             self._restart(job, gen, self.layout(remote))
         finally:
             if fd is not None:
