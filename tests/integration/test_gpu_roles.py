@@ -10,6 +10,7 @@ on the real detection.
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable, Iterator
 
@@ -267,6 +268,16 @@ def test_preflight_stops_on_wrong_os_secure_boot_disk_and_fit(plain):
 
     disk = ansible_playbook("playbooks/preflight.yml", inventory, extra_vars={"kimi_preflight_model_size_gb": 10**6})
     assert disk.returncode != 0 and "GiB headroom" in disk.output, str(disk)
+
+    # A program of another user on the API port is named, with the variable that would move the service.
+    host, _ = plain
+    host.ssh("runuser -u nobody -- setsid python3 -m http.server 8000 >/dev/null 2>&1 < /dev/null & sleep 1")
+    try:
+        held = ansible_playbook("playbooks/preflight.yml", inventory, extra_vars={"kimi_preflight_plan": False})
+    finally:
+        host.ssh("pkill -f 'http.server 8000'", check=False)
+    assert held.returncode != 0, str(held)
+    assert re.search(r"port 8000 \(kimi_api_port\) is held by python3 \(pid \d+, uid 65534\)", held.said), str(held)
 
     passes = ansible_playbook("playbooks/preflight.yml", inventory)
     assert passes.returncode == 0, str(passes)
