@@ -216,6 +216,21 @@ def test_exporter_serves_the_plan(first_converge, host):
     assert re.search(r"^kimi_nvml_up(\{[^}]*\})? 0\.0$", metrics, re.MULTILINE), "no GPU here: NVML is down"
 
 
+def test_a_failed_start_stops_the_play_with_serves_root_cause(first_converge, host, inventory):
+    """The first converge's path (an engine that does not run is started, not restarted), with serve's /ready
+    port taken by another program: the play names serve's own reason, not "see systemctl status". Preflight
+    would name the program first (tests/integration/test_gpu_roles.py), so it is skipped here."""
+    host.ssh("systemctl stop kimi-vllm")
+    host.ssh("runuser -u nobody -- setsid python3 -m http.server 8001 >/dev/null 2>&1 < /dev/null & sleep 1")
+    try:
+        run = ansible_playbook("site.yml", inventory, "--skip-tags", "preflight")
+    finally:
+        host.ssh("pkill -f 'http.server 8001'", check=False)
+    assert run.returncode != 0, str(run)
+    assert "kimi-vllm.service did not become ready. root cause: cannot answer /ready" in run.said, str(run)
+    assert "8001 (serve.ready_port)" in run.said, str(run)
+
+
 def test_systemctl_start_returns_only_when_serving(first_converge, host, api):
     host.ssh("systemctl stop kimi-vllm")
     with pytest.raises(httpx.HTTPError):
