@@ -11,28 +11,34 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.support.cpu_site import engine_core
+from tests.support.cpu_site import ONE_PROCESS_ENGINE_ENV, engine_core
 
 MODULE_SECONDS = {
-    "tests/integration/test_multinode.py": 830,
-    "tests/integration/test_site_e2e.py": 760,
-    "tests/integration/test_container.py": 630,
-    "tests/integration/test_replicas.py": 620,
-    "tests/integration/test_vllm_runtime.py": 400,
-    "tests/integration/test_gpu_roles.py": 300,
-    "tests/integration/test_model_weights.py": 110,
-    "tests/engine/test_bench.py": 95,
-    "tests/engine/test_container_serve.py": 66,
-    "tests/engine/test_serve.py": 65,
-    "tests/integration/test_testhost_fixture.py": 50,
-    "tests/integration/test_firewall.py": 35,
-    "tests/unit/test_weights_hardening.py": 25,
+    "tests/integration/test_multinode.py": 730,
+    "tests/integration/test_site_e2e.py": 830,
+    "tests/integration/test_container.py": 590,
+    "tests/integration/test_gpu_roles.py": 420,
+    "tests/integration/test_replicas.py": 420,
+    "tests/integration/test_vllm_runtime.py": 220,
+    "tests/engine/test_tune.py": 150,
+    "tests/integration/test_model_weights.py": 126,
+    "tests/engine/test_bench.py": 85,
+    "tests/engine/test_serve.py": 60,
+    "tests/engine/test_container_serve.py": 55,
+    "tests/integration/test_testhost_fixture.py": 30,
+    "tests/integration/test_firewall.py": 36,
+    "tests/unit/test_weights_hardening.py": 37,
+    "tests/unit/test_launcher.py": 28,
+    "bench/gpu/tests/test_cpu_end_to_end.py": 25,
+    "tests/unit/test_monitoring.py": 21,
     "tests/integration/test_service_units.py": 21,
-    "bench/gpu/tests/test_cpu_end_to_end.py": 21,
 }
 ROOT = Path(__file__).resolve().parent.parent
 # The CPU engines this worker starts on the controller (engine and bench tests) share its core.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", engine_core())
+# And each starts without a worker process of its own (test-only, see ONE_PROCESS_ENGINE_ENV).
+for _name, _value in ONE_PROCESS_ENGINE_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 def module_cost(path: Path) -> int:

@@ -31,6 +31,7 @@ from tests.support import prometheus
 from tests.support.cpu_site import (
     API_KEY,
     COMPILED_ENGINE_ARGS,
+    FLOATING_ENGINE_ENV,
     REPO,
     SERVED,
     SMALL_ENGINE_ARGS,
@@ -81,8 +82,9 @@ def hub(balancer):
 def replica_host_vars(replicas):
     # A replica restarted beside a busy one must not starve on the core they would share.
     host_vars = engine_placement(replicas)
-    # The product's default engine path, not --enforce-eager, on the replica no test restarts.
+    # The product's default engine path (compiled, a worker process of its own) on the replica no test restarts.
     host_vars[replicas[1].name]["kimi_vllm_extra_args"] = COMPILED_ENGINE_ARGS
+    host_vars[replicas[1].name]["kimi_vllm_extra_env"] = dict(FLOATING_ENGINE_ENV)
     return host_vars
 
 
@@ -421,6 +423,8 @@ def test_broken_upgrade_rolls_back_and_the_endpoint_never_stops_answering(conver
     assert run.returncode != 0, str(run)
     assert f"The upgrade of {first.name} failed" in run.output, str(run)
     assert f"it is back on {venv} and serving. No further host was touched." in run.said, str(run)
+    # The engine's own first error line leads the failure, not only a journal tail.
+    assert re.search(r"root cause: vLLM failed to start: .*--no-such-vllm-flag", run.output), str(run)
     assert first.ssh("readlink /opt/kimi-service/venv").stdout.strip() == venv
     assert first.ssh("sha256sum /etc/kimi-service/config.yaml").stdout.split()[0] == config
     assert _main_pid(second) == untouched, "the upgrade stopped before the next replica"

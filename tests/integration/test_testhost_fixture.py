@@ -65,7 +65,7 @@ def test_a_guest_that_fails_to_boot_reports_its_journal_and_leaves_nothing(capsy
     (host.merged / "lib/systemd/systemd").unlink()
     with pytest.raises(HostError) as failure:
         try:
-            host.start(timeout=30)
+            host.start(timeout=10)
         finally:
             host.stop()
     message = str(failure.value)
