@@ -11,34 +11,31 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.support.cpu_site import ONE_PROCESS_ENGINE_ENV, engine_core
+from tests.support.cpu_site import engine_core
 
 MODULE_SECONDS = {
-    "tests/integration/test_multinode.py": 730,
-    "tests/integration/test_site_e2e.py": 830,
-    "tests/integration/test_container.py": 590,
-    "tests/integration/test_gpu_roles.py": 420,
-    "tests/integration/test_replicas.py": 420,
-    "tests/integration/test_vllm_runtime.py": 220,
-    "tests/engine/test_tune.py": 150,
-    "tests/integration/test_model_weights.py": 126,
-    "tests/engine/test_bench.py": 85,
-    "tests/engine/test_serve.py": 60,
+    "tests/integration/test_site_e2e.py": 740,
+    "tests/integration/test_multinode.py": 736,
+    "tests/integration/test_container.py": 558,
+    "tests/integration/test_replicas.py": 503,
+    "tests/integration/test_gpu_roles.py": 399,
+    "tests/integration/test_vllm_runtime.py": 378,
+    "tests/engine/test_tune.py": 167,
+    "tests/integration/test_model_weights.py": 150,
+    "tests/engine/test_bench.py": 97,
+    "tests/engine/test_serve.py": 71,
     "tests/engine/test_container_serve.py": 55,
-    "tests/integration/test_testhost_fixture.py": 30,
-    "tests/integration/test_firewall.py": 36,
-    "tests/unit/test_weights_hardening.py": 37,
-    "tests/unit/test_launcher.py": 28,
-    "bench/gpu/tests/test_cpu_end_to_end.py": 25,
-    "tests/unit/test_monitoring.py": 21,
+    "tests/unit/test_weights_hardening.py": 36,
+    "tests/integration/test_firewall.py": 31,
+    "tests/integration/test_testhost_fixture.py": 28,
+    "tests/unit/test_launcher.py": 26,
     "tests/integration/test_service_units.py": 21,
+    "tests/unit/test_monitoring.py": 20,
+    "bench/gpu/tests/test_cpu_end_to_end.py": 16,
 }
 ROOT = Path(__file__).resolve().parent.parent
 # The CPU engines this worker starts on the controller (engine and bench tests) share its core.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", engine_core())
-# And each starts without a worker process of its own (test-only, see ONE_PROCESS_ENGINE_ENV).
-for _name, _value in ONE_PROCESS_ENGINE_ENV.items():
-    os.environ.setdefault(_name, _value)
 
 
 def module_cost(path: Path) -> int:

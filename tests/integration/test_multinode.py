@@ -55,7 +55,7 @@ def inventory(group, tmp_path_factory):
             tmp_path_factory.mktemp("multinode") / "hosts.yml", group,
             groups={"kimi_cluster": group},
             extra_vars={
-                **cpu_site_vars(hub.url, controller, one_process=False),
+                **cpu_site_vars(hub.url, controller),
                 "kimi_cluster_group": "kimi_cluster",
                 "kimi_cluster_master_port": MASTER_PORT,
                 "kimi_cluster_join_timeout_sec": JOIN_TIMEOUT,

