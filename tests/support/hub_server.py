@@ -18,11 +18,13 @@ that many bytes per second, like one TCP stream over a long, slow link.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
@@ -63,6 +65,7 @@ class Request:
     status: int
     sent: int
     if_range: str | None = None
+    arrival: int = 0  # the order requests came in (the log is in the order their answers ended)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class HubServer:
     active: int = 0
     max_active: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _arrivals: Iterator[int] = field(default_factory=itertools.count, repr=False)
     _digests: dict[tuple, dict] = field(default_factory=dict, repr=False)
 
     @property
@@ -110,7 +114,10 @@ class HubServer:
             time.sleep(0.02)
 
     def gets(self, name: str) -> list[Request]:
-        return [r for r in self.log if r.method == "GET" and r.path.endswith("/" + name)]
+        """The GETs of a file in the order they came in, once every answer has ended."""
+        self.settle()
+        return sorted((r for r in self.log if r.method == "GET" and r.path.endswith("/" + name)),
+                      key=lambda r: r.arrival)
 
     def sibling(self, path: Path) -> dict:
         """The hub's entry for a file; hashed once per size and mtime (benchmarks serve large files)."""
@@ -171,6 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
     # --- routing -------------------------------------------------------------------------------
     def _dispatch(self, head: bool) -> None:
         hub = self.hub
+        self._arrival = next(hub._arrivals)
         parts = urlsplit(self.path)
         path, query = unquote(parts.path), parse_qs(parts.query)
         listing = path.startswith("/api/")
@@ -243,7 +251,7 @@ class _Handler(BaseHTTPRequestHandler):
     # --- responses -----------------------------------------------------------------------------
     def _record(self, status: int, sent: int) -> None:
         self.hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, sent,
-                                    self.headers.get("If-Range")))
+                                    self.headers.get("If-Range"), self._arrival))
 
     def _raw(self, data: bytes, head: bool) -> None:
         self.send_response(200)
