@@ -14,14 +14,14 @@ from pathlib import Path
 from tests.support.cpu_site import engine_core
 
 MODULE_SECONDS = {
-    "tests/integration/test_site_e2e.py": 740,
-    "tests/integration/test_multinode.py": 736,
-    "tests/integration/test_container.py": 558,
-    "tests/integration/test_replicas.py": 503,
-    "tests/integration/test_gpu_roles.py": 399,
-    "tests/integration/test_vllm_runtime.py": 378,
-    "tests/engine/test_tune.py": 167,
-    "tests/integration/test_model_weights.py": 150,
+    "tests/integration/test_site_e2e.py": 674,
+    "tests/integration/test_multinode.py": 635,
+    "tests/integration/test_container.py": 741,
+    "tests/integration/test_replicas.py": 542,
+    "tests/integration/test_gpu_roles.py": 348,
+    "tests/integration/test_vllm_runtime.py": 240,
+    "tests/engine/test_tune.py": 220,
+    "tests/integration/test_model_weights.py": 157,
     "tests/engine/test_bench.py": 97,
     "tests/engine/test_serve.py": 71,
     "tests/engine/test_container_serve.py": 55,
