@@ -28,6 +28,7 @@ import testinfra
 
 from tests.hosts.ansible import PROJECT_ROOT, ansible_playbook, parse_recap
 from tests.hosts.nspawn import _ssh_keypair
+from tests.support import clients
 from tests.support.cpu_site import HF_TOKEN, REPO, SERVED, cpu_site_vars, journal_cursor, journal_since, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
@@ -208,6 +209,31 @@ def test_openai_client_streams_with_the_made_key_and_is_refused_without(first_co
     wrong = openai.OpenAI(base_url=f"{api}/v1", api_key="sk-wrong")
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
+
+
+def test_the_openai_sdk_speaks_the_protocol_from_another_address(first_converge, api, api_key):
+    """From the controller's bridge address, through the route gate, as a remote user calls it."""
+    clients.check_openai_sdk(api, api_key, SERVED)
+
+
+def test_tool_calls_come_back_parsed_with_the_parser_the_planner_chose(first_converge, api, api_key):
+    """The tiny model's template has Hermes-style markers and no catalog entry: the plan chose the parser."""
+    assert "tools: on (--tool-call-parser hermes)" in first_converge.said, str(first_converge)
+    clients.check_tool_choices(api, api_key, SERVED)
+
+
+def test_litellm_and_langchain_invoke_stream_and_call_tools(first_converge, api, api_key):
+    clients.check_litellm(api, api_key, SERVED)
+    clients.check_langchain(api, api_key, SERVED)
+
+
+def test_guidellm_and_vllm_bench_serve_complete_through_the_gate(first_converge, api, api_key, tmp_path):
+    """guidellm checks /health before it starts: the controller is in kimi_api_trusted_cidrs, as the
+    README's Clients section tells a benchmarking machine to be."""
+    totals = clients.run_guidellm(api, api_key, SERVED, ensure_tiny_model(), tmp_path)
+    assert totals["successful"] == totals["total"] > 0 and totals["errored"] == 0, totals
+    result = clients.run_vllm_bench_serve(api, api_key, SERVED, ensure_tiny_model(), tmp_path)
+    assert result["completed"] == result["num_prompts"] > 0 and result["failed"] == 0, result
 
 
 def test_exporter_serves_the_plan(first_converge, host):

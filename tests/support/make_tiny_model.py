@@ -14,11 +14,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 2048
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
-# Roles in the markers let the template be read back by a human; the model itself is random.
+# <tool_call> and </tool_call> are whole tokens, as in the Hermes-style templates of Qwen2.5 and Hermes models.
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<tool_call>", "</tool_call>"]
+# Roles in the markers let the template be read back by a human; the model itself is random. Tools are offered
+# and called in the Hermes style (a JSON object between <tool_call> tags), so the planner chooses vLLM's hermes
+# tool-call parser for this model from its template, as it does for a hub model with the same markers; without
+# tools the prompt is the plain one the other tests were written against.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\nYou may call these functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Answer a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>{{ eos_token }}\n{% endif %}'
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}<|assistant|>\n"
+    "{% for call in message['tool_calls'] %}<tool_call>"
+    '{"name": {{ call["function"]["name"] | tojson }}, "arguments": '
+    '{{ call["function"]["arguments"] | tojson }}}</tool_call>{% endfor %}{{ eos_token }}\n'
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
