@@ -4,14 +4,19 @@ faults, a restart of the container on a fresh root, an upgrade's roll-back and t
 
 The volume is a directory of the controller bind-mounted into the host; a restart is a new host (fresh root)
 on the same directory, booted with the start command the play printed. The venv lives on the volume, so
-these hosts cannot boot on the captured runtime layer (it holds a venv under /opt): the first converge
-installs the CPU engine from the offline wheelhouse.
+these hosts cannot boot on the captured runtime layer (it holds a venv under /opt). Instead the venv the
+first converge left is kept in the cache (hard links) and put on the next run's fresh volume: the runtime
+role adopts it only where its name, the role's identity of the pins, this project's files and the
+wheelhouse, still matches, so any change to them installs the CPU engine from the offline wheelhouse
+again, as on a new pod.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +26,7 @@ import openai
 import pytest
 
 from tests.hosts.ansible import PlaybookRun, ansible_playbook
-from tests.hosts.nspawn import TestHost, write_inventory
+from tests.hosts.nspawn import TestHost, cache_dir, cache_lock, write_inventory
 from tests.support.cpu_site import API_KEY, REPO, SERVED, cpu_site_vars, stream_chat
 from tests.support.cpu_site import gateway as gateway_of
 from tests.support.hub_server import HubServer
@@ -42,6 +47,7 @@ class Pod:
 
     host: TestHost
     inventory: Path
+    volume: Path
 
     @property
     def api(self) -> str:
@@ -53,14 +59,43 @@ def persist_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("workspace")
 
 
+VENVS = "kimi-service/install/venvs"  # under the volume
+KEPT_VENVS = "pod-venvs"  # under the cache
+
+
+def _hard_link_copy(source: Path, target: Path) -> None:
+    subprocess.run(["cp", "-al", str(source), str(target)], check=True)
+
+
+def _seed_kept_venv(volume: Path) -> None:
+    kept = cache_dir() / KEPT_VENVS
+    with cache_lock(cache_dir() / f"{KEPT_VENVS}.lock"):
+        for venv in sorted(kept.glob("[!.]*")):
+            (volume / VENVS).mkdir(parents=True, exist_ok=True)
+            _hard_link_copy(venv, volume / VENVS / venv.name)
+
+
+def _keep_venv(volume: Path, name: str) -> None:
+    """The converged pod's venv replaces the one kept before (its files are never written in place)."""
+    kept = cache_dir() / KEPT_VENVS
+    with cache_lock(cache_dir() / f"{KEPT_VENVS}.lock"):
+        if (kept / name).is_dir():
+            return
+        shutil.rmtree(kept, ignore_errors=True)
+        kept.mkdir()
+        _hard_link_copy(volume / VENVS / name, kept / f".{name}")
+        (kept / f".{name}").rename(kept / name)  # an interrupted copy is never seeded
+
+
 @pytest.fixture(scope="module")
 def pod(make_containers, persist_dir, tmp_path_factory):
+    _seed_kept_venv(persist_dir)
     host = make_containers(persist_dir)
     with HubServer(root=ensure_tiny_model(), repo=REPO, host=gateway_of(host)) as hub:
         site_vars = {**cpu_site_vars(hub.url, gateway_of(host)), "kimi_persist_root": "/workspace",
                      "kimi_vllm_watchdog_sec": WATCHDOG_SEC}
         inventory = write_inventory(tmp_path_factory.mktemp("pod") / "hosts.yml", [host], extra_vars=site_vars)
-        yield Pod(host, inventory)
+        yield Pod(host, inventory, persist_dir)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +103,8 @@ def first_converge(pod) -> PlaybookRun:
     started = time.monotonic()
     run = ansible_playbook("site.yml", pod.inventory)
     print(f"\nfirst converge of site.yml under supervisord: {time.monotonic() - started:.0f} s")
+    if run.returncode == 0:
+        _keep_venv(pod.volume, pod.host.ssh(f"readlink {ROOT}/install/venv").stdout.strip().rsplit("/", 1)[1])
     return run
 
 
