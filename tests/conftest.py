@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.support.cpu_site import engine_core
+from tests.support.cpu_site import engine_env
 
 MODULE_SECONDS = {
     "tests/integration/test_site_e2e.py": 674,
@@ -34,8 +34,9 @@ MODULE_SECONDS = {
     "bench/gpu/tests/test_cpu_end_to_end.py": 16,
 }
 ROOT = Path(__file__).resolve().parent.parent
-# The CPU engines this worker starts on the controller (engine and bench tests) share its core.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", engine_core())
+# The CPU engines this worker starts on the controller (engine and bench tests) share its placement.
+for name, value in engine_env().items():
+    os.environ.setdefault(name, value)
 
 
 def module_cost(path: Path) -> int:

