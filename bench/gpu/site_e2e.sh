@@ -78,6 +78,7 @@ background_site() {  # LOG INVENTORY WAIT: site.yml in the background (it may ou
     local logfile=$1
     rm -f "$RESULTS/$logfile.rc"
     echo "$logfile" > "$RESULTS/background"
+    echo "$2" > "$RESULTS/background.inventory"  # what section rerun converges again
     setsid nohup bash -c "source '$REPO/bench/gpu/site_e2e.sh' --functions-only
         rc=0; PLAY_INVENTORY='$2' playbook site.yml $logfile || rc=\$?; echo \$rc > '$RESULTS/$logfile.rc'" \
         > /dev/null 2>&1 < /dev/null &
@@ -192,8 +193,13 @@ section_wait() {
 }
 
 section_rerun() {
+    # The inventory of the latest converge (the kimi and moe sections switch the model): on the first
+    # one's, preflight would look for a model those sections have deleted.
+    local rc=0
     log "site.yml, second run"
-    playbook site.yml rerun || true
+    PLAY_INVENTORY=$(cat "$RESULTS/background.inventory" 2>/dev/null || echo "$INVENTORY") \
+        playbook site.yml rerun || rc=$?
+    ((rc == 0)) || log "the second run FAILED (exit $rc): see rerun.log"
     grep -B1 '^changed:' "$RESULTS/rerun.log" | grep 'TASK' || true
     log "kimi-service health --json"
     /opt/kimi-service/venv/bin/kimi-service health --config /etc/kimi-service/config.yaml \
