@@ -30,10 +30,12 @@ unit: bootstrap
 fuzz: bootstrap
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/unit/fuzz -p no:cacheprovider
 
-# Two workers, a module per worker at a time (its hosts and engine are module fixtures), in the order
-# tests/conftest.py collects them (longest first), not xdist's own (most tests first).
+# Three workers on the two cores, a module per worker at a time (its hosts and engine are module fixtures),
+# in the order tests/conftest.py collects them (longest first), not xdist's own (most tests first). With
+# two, the CPUs idled a fifth of the run (boots, SSH round trips, waits on services); the third worker's
+# engines float instead of taking a core (tests/support/cpu_site.py, engine_env).
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20
+	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 demo: bootstrap
 	$(BIN)/python scripts/demo.py up
