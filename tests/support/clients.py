@@ -33,12 +33,14 @@ SEEDS = range(1, 9)
 LONG_ENOUGH = 600
 
 
-def until_ended(request: Callable[[int], Any]) -> Any:
-    """The first answer of request(seed) that ended by itself rather than at max_tokens."""
+def until_ended(request: Callable[[int], Any],
+                finish: Callable[[Any], str] = lambda answer: answer.choices[0].finish_reason) -> Any:
+    """The first answer of request(seed) that ended by itself rather than at max_tokens (`finish` reads why
+    an answer ended: the OpenAI shape by default)."""
     finishes = []
     for seed in SEEDS:
         answer = request(seed)
-        finishes.append(answer.choices[0].finish_reason)
+        finishes.append(finish(answer))
         if finishes[-1] != "length":
             return answer
     raise AssertionError(f"no seed of {list(SEEDS)} ended within {LONG_ENOUGH} tokens: {finishes}")
@@ -132,14 +134,12 @@ def check_langchain(api: str, key: str, served: str) -> None:
     assert isinstance(model.invoke("Hello"), AIMessage)
     assert len(list(model.stream("Hello"))) > 1
     assert isinstance(model.bind_tools([TOOL]).invoke("What is the weather?"), AIMessage)
-    for seed in SEEDS:
-        named = ChatOpenAI(model=served, base_url=f"{api}/v1", api_key=key, max_tokens=LONG_ENOUGH, seed=seed)
-        answer = named.bind_tools([TOOL], tool_choice=TOOL_NAME).invoke("What is the weather?")
-        if answer.response_metadata.get("finish_reason") != "length":
-            assert [call["name"] for call in answer.tool_calls] == [TOOL_NAME], answer
-            assert answer.tool_calls[0]["args"]["unit"] in ("c", "f")
-            return
-    raise AssertionError(f"no seed of {list(SEEDS)} ended within {LONG_ENOUGH} tokens")
+    answer = until_ended(
+        lambda seed: ChatOpenAI(model=served, base_url=f"{api}/v1", api_key=key, max_tokens=LONG_ENOUGH, seed=seed)
+        .bind_tools([TOOL], tool_choice=TOOL_NAME).invoke("What is the weather?"),
+        finish=lambda message: message.response_metadata.get("finish_reason"))
+    assert [call["name"] for call in answer.tool_calls] == [TOOL_NAME], answer
+    assert answer.tool_calls[0]["args"]["unit"] in ("c", "f")
 
 
 def run_guidellm(api: str, key: str, served: str, tokenizer: Path, work: Path) -> dict:

@@ -49,7 +49,7 @@ def cpu_site_vars(hub_url: str, controller: str) -> dict:
         "kimi_served_model_name": SERVED,
         "kimi_api_key": API_KEY,
         "kimi_vllm_extra_args": SMALL_ENGINE_ARGS,
-        # Test-only: each pytest worker's engines on a core of their own (see engine_env).
+        # Test-only: where each pytest worker's engines run (see engine_env).
         "kimi_vllm_extra_env": engine_env(),
         "kimi_firewall_allowed_cidrs": [f"{controller}/32"],
         # The controller reads the engine's /health and /metrics, as a monitoring host would.
